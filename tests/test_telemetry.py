@@ -100,6 +100,7 @@ def test_the_start_line_names_the_sampler_as_the_sdk_describes_it():
         {},
         {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_SDK_DISABLED": "true"},
         {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_TRACES_EXPORTER": "none"},
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_TRACES_EXPORTER": " None , none"},
     ],
 )
 def test_tracing_off_installs_nothing(clean_otel_env, env):
@@ -129,6 +130,7 @@ BAD_OTEL_VALUES = [
     ("OTEL_TRACES_SAMPLER_ARG", "abc", "a number from 0 to 1"),  # the same
     ("OTEL_TRACES_EXPORTER", "zipkin", "expected 'otlp' or 'none'"),  # OTLP exported anyway
     ("OTEL_TRACES_EXPORTER", "otlp,console", "expected 'otlp' or 'none'"),
+    ("OTEL_TRACES_EXPORTER", "otlp,none", "expected 'otlp' or 'none'"),  # was taken, and exported: off or on?
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf", "expected 'grpc'"),  # gRPC to an HTTP port, nothing arrives
     ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json", "expected 'grpc'"),
     ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", "expected a number of seconds > 0"),  # a traceback from the exporter

@@ -140,6 +140,11 @@ _RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
 _BOOLEANS = ("true", "false")
 
 
+def _exporters(value: str) -> set[str]:
+    """The exporter names of an ``OTEL_TRACES_EXPORTER`` value (a comma-separated list), lower case."""
+    return {part.strip().lower() for part in value.split(",")}
+
+
 def _check_endpoint(value: str) -> str | None:
     """Why ``value`` is not an OTLP gRPC endpoint (``http[s]://host[:port]`` or ``host:port``), or None."""
     parsed = urllib.parse.urlsplit(value)
@@ -173,8 +178,7 @@ def check_tracing_environment() -> None:
     for name in ("OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_INSECURE", "OTEL_EXPORTER_OTLP_TRACES_INSECURE"):
         if (found := read(name)) and found[1].lower() not in _BOOLEANS:
             refuse(found, "expected 'true' or 'false'")
-    if (found := read("OTEL_TRACES_EXPORTER")) and not {part.strip().lower() for part in found[1].split(",")} <= {
-            "otlp", "none"}:
+    if (found := read("OTEL_TRACES_EXPORTER")) and _exporters(found[1]) not in ({"otlp"}, {"none"}):
         refuse(found, "expected 'otlp' or 'none' (Switchyard exports spans over OTLP only: Jaeger receives it, "
                       "an OpenTelemetry Collector forwards it to any other backend)")
     for name in ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
@@ -210,7 +214,7 @@ def tracing_configured() -> bool:
     """Whether the environment asks for tracing: an OTLP endpoint is set and the SDK is not disabled."""
     if (read_standard("OTEL_SDK_DISABLED") or "").strip().lower() == "true":
         return False
-    if (read_standard("OTEL_TRACES_EXPORTER") or "otlp").strip().lower() == "none":
+    if _exporters(read_standard("OTEL_TRACES_EXPORTER") or "otlp") == {"none"}:
         return False
     return bool(read_standard("OTEL_EXPORTER_OTLP_ENDPOINT") or read_standard("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
