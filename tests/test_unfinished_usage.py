@@ -175,6 +175,25 @@ async def test_a_request_past_its_deadline_on_the_stream_is_counted_once():
     assert done.compute_score_used > 0 and done.memory_peak_bytes > 0
 
 
+async def test_a_caller_that_stops_reading_a_running_step_counts_what_it_used():
+    """A caller that leaves its loop over a running step (an exception of its own) closes the generator: the request
+    was cancelled on the stream, but the answer to that cancel went unread and the step was counted nowhere. It
+    reaches ``on_consumed`` as a cancelled caller's does."""
+    async with sim_dispatcher() as (_, channel):
+        client = GenerateStreamClient(channel)
+        answers: list[agent_pb2.GenerateDone] = []
+        with pytest.raises(LookupError):  # the caller's own failure, mid-answer
+            async with contextlib.aclosing(client.generate(request("s:0"), 60.0,
+                                                           on_consumed=answers.append)) as chunks:
+                async for chunk in chunks:
+                    if chunk.HasField("token"):
+                        raise LookupError("the caller's own error")
+        await client.close()
+    [used] = answers
+    assert used.finish_reason == "cancelled" and used.usage.completion_tokens > 0
+    assert used.compute_score_used > 0 and used.memory_peak_bytes > 0
+
+
 @contextlib.asynccontextmanager
 async def ends_with(ending: str) -> AsyncIterator[grpc.aio.Channel]:
     """A channel to a dispatcher whose request ends with ``ending``: "done" (the sim engine, a short answer), or

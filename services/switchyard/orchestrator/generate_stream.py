@@ -421,7 +421,8 @@ class GenerateStreamClient:
                 merges them over that long anyway); 0: the stream's own rule. Never set on a CORE request
                 (refused INVALID_ARGUMENT).
             on_consumed: called once, with what the request consumed, when it did not finish: the caller was
-                cancelled (``asyncio.CancelledError`` while it waits for a chunk) or ``timeout_s`` ran out while
+                cancelled (``asyncio.CancelledError`` while it waits for a chunk), stopped reading (closed this
+                generator: ``aclose``, its loop left by an exception of its own), or ``timeout_s`` ran out while
                 it ran at the dispatcher (the dispatcher's answer to the cancel: its done as it stood,
                 ``finish_reason`` ``cancelled``, or the ``consumed`` of the error it failed with meanwhile; waited
                 for up to :data:`CANCEL_ANSWER_WAIT_S`, then the cancellation or the DEADLINE_EXCEEDED goes on),
@@ -468,7 +469,7 @@ class GenerateStreamClient:
                 yield item
                 if item.HasField("done"):
                     return
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # the caller was cancelled, or stopped reading (aclose)
             answer = stream.cancel(pending)
             if on_consumed is not None:
                 if answer is not None:

@@ -17,6 +17,7 @@ leaves the task goes through it:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import Executor
@@ -257,21 +258,23 @@ class Task:
             messages=self.messages, prompt_tokens=self.prompt_tokens, tools=tools, resume=resume,
             timeout_s=self.remaining(), budget=budget, max_tokens=max_tokens, on_consumed=self.count_step,
         )
-        async for chunk in stream:
-            kind = chunk.WhichOneof("chunk")
-            if kind == "token":
-                if self.token_index == 0:
-                    self.timings.ttft_s = time.monotonic() - self.t0
-                token = chunk.token.text
-                count = max(1, chunk.token.count)  # several tokens when the dispatcher's stream caught up
-                text.append(token)
-                emit(TaskEvent(token=TokenEvent(text=token, index=self.token_index, count=count)))
-                self.token_index += count
-            elif kind == "tool_call":
-                calls.append(chunk.tool_call)
-            elif kind == "done":
-                made = chunk.done.usage.completion_tokens
-                self.count_step(chunk.done)
+        # closed here, not when collected: a loop left by an error cancels the step now and counts what it used
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                kind = chunk.WhichOneof("chunk")
+                if kind == "token":
+                    if self.token_index == 0:
+                        self.timings.ttft_s = time.monotonic() - self.t0
+                    token = chunk.token.text
+                    count = max(1, chunk.token.count)  # several tokens when the dispatcher's stream caught up
+                    text.append(token)
+                    emit(TaskEvent(token=TokenEvent(text=token, index=self.token_index, count=count)))
+                    self.token_index += count
+                elif kind == "tool_call":
+                    calls.append(chunk.tool_call)
+                elif kind == "done":
+                    made = chunk.done.usage.completion_tokens
+                    self.count_step(chunk.done)
         program.steps.observe(workflow, "model", time.monotonic() - started, made)
         return "".join(text), calls
 
