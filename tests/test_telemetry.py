@@ -133,8 +133,9 @@ BAD_OTEL_VALUES = [
     ("OTEL_TRACES_EXPORTER", "otlp,none", "expected 'otlp' or 'none'"),  # was taken, and exported: off or on?
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf", "expected 'grpc'"),  # gRPC to an HTTP port, nothing arrives
     ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json", "expected 'grpc'"),
-    ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", "expected a number of seconds > 0"),  # a traceback from the exporter
-    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "-1", "expected a number of seconds > 0"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", "in seconds, above 0 and at most 600"),  # a traceback from the exporter
+    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "-1", "in seconds, above 0 and at most 600"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "10000", "not the specification's milliseconds"),  # 2.8 h for each export
     ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd", "expected 'gzip', 'deflate' or 'none'"),  # a traceback too
     ("OTEL_EXPORTER_OTLP_INSECURE", "yes", "expected 'true' or 'false'"),  # read as false: TLS to a plain port
     ("OTEL_SDK_DISABLED", "yes", "expected 'true' or 'false'"),  # read as false: tracing stays on

@@ -138,6 +138,8 @@ _SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on",
              "parentbased_traceidratio")
 _RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
 _BOOLEANS = ("true", "false")
+MAX_EXPORT_TIMEOUT_S = 600.0
+"""The longest ``OTEL_EXPORTER_OTLP_TIMEOUT`` taken, seconds: a larger one is almost surely milliseconds."""
 
 
 def _exporters(value: str) -> set[str]:
@@ -190,11 +192,16 @@ def check_tracing_environment() -> None:
     for name in ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"):
         if found := read(name):
             try:
-                ok = 0 < float(found[1]) < math.inf
+                seconds = float(found[1])
             except ValueError:
-                ok = False
-            if not ok:
-                refuse(found, "expected a number of seconds > 0 (the exporter's wait for each export)")
+                seconds = math.nan
+            if not 0 < seconds <= MAX_EXPORT_TIMEOUT_S:
+                # The specification gives this variable in milliseconds; the Python exporter reads seconds
+                # (opentelemetry-exporter-otlp-proto-grpc: float(OTEL_EXPORTER_OTLP_TIMEOUT)), so the spec's
+                # 10000 would wait 2.8 hours for each export.
+                refuse(found, f"expected the exporter's wait for each export in seconds, above 0 and at most "
+                              f"{MAX_EXPORT_TIMEOUT_S:g} (the Python exporter reads seconds, not the "
+                              f"specification's milliseconds: 10 for its default)")
     for name in ("OTEL_EXPORTER_OTLP_COMPRESSION", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION"):
         if (found := read(name)) and found[1].lower() not in ("gzip", "deflate", "none"):
             refuse(found, "expected 'gzip', 'deflate' or 'none'")
