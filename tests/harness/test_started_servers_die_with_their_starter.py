@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from stack_fixtures import loop_executor_config
 
 from switchyard.common import children
 
@@ -60,6 +61,9 @@ def test_a_spawned_sim_openai_ends_with_its_starter(tmp_path):
 
 
 def test_an_up_process_ends_with_its_starter(tmp_path, pydoc_index_dir):
+    # the pids checked are the launcher's and its services': the CPU pool's spawned workers (whose kill -9 cases
+    # test_up_durability checks) would only add seconds to the start
+    config = loop_executor_config(tmp_path)
     script = ("import sys, time\n"
               "from switchyard.launcher import UpProcess\n"
               f"stack = UpProcess({str(pydoc_index_dir)!r})\n"
@@ -67,7 +71,7 @@ def test_an_up_process_ends_with_its_starter(tmp_path, pydoc_index_dir):
               "    sys.exit(''.join(stack.lines))\n"
               "print('pids', stack.proc.pid, *(pid for _, _, pid in stack.endpoints().values()), flush=True)\n"
               "time.sleep(600)\n")
-    assert _orphans_after_kill_9(script, tmp_path, SWITCHYARD_CONFIG_DIR=str(ROOT / "config")) == []
+    assert _orphans_after_kill_9(script, tmp_path, SWITCHYARD_CONFIG_DIR=str(config)) == []
 
 
 def test_the_soak_tools_stack_ends_with_the_tool(tmp_path, pydoc_index_dir):
