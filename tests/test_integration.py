@@ -19,6 +19,11 @@ from token_events import positions_follow_on, token_count
 pytestmark = pytest.mark.slow
 
 
+ON_THE_LOOP = {"orchestrator.cpu_executor": "loop"}
+"""For a test of something other than the stack as shipped: its orchestrator's CPU work on the event loop, as
+orchestrator_config's (the shipped spawn pool, which the first two tests here run, costs seconds of every start)."""
+
+
 @contextlib.asynccontextmanager
 async def three_services(index_dir, **overrides):
     cfg = load_config("config").with_overrides(**{"retrieval.index_dir": str(index_dir), **overrides})
@@ -70,7 +75,7 @@ async def test_a_react_step_that_spends_max_tokens_inside_its_tool_call_fails_na
     empty answer and finish_reason length. It fails INVALID_ARGUMENT naming max_tokens, as a cut call does in
     front of a model server (tests/test_openai_engine.py)."""
     events = []
-    async with three_services(pydoc_index_dir) as stub:
+    async with three_services(pydoc_index_dir, **ON_THE_LOOP) as stub:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             async for event in stub.RunTask(agent_pb2.RunTaskRequest(
                     payload="What is 12*(3+4)?", task_type="react_loop", max_tokens=max_tokens)):
@@ -84,7 +89,7 @@ async def test_a_react_step_that_spends_max_tokens_inside_its_tool_call_fails_na
 
 async def test_a_react_loop_with_room_for_its_calls_still_answers(pydoc_index_dir):
     """The sibling of the cut: the same question with room for its calls is answered."""
-    async with three_services(pydoc_index_dir) as stub:
+    async with three_services(pydoc_index_dir, **ON_THE_LOOP) as stub:
         events = [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(
             payload="What is 12*(3+4)?", task_type="react_loop", max_tokens=64))]
     assert [e.tool_call.name for e in events if e.HasField("tool_call")] == ["search_docs", "calculator"]
@@ -121,8 +126,8 @@ async def test_a_batch_tasks_events_say_the_same_whatever_its_token_hold(pydoc_i
     10 s one (first tokens, tool calls and ends never wait it out), in fewer token events."""
     runs = []
     for interval_ms in (0.0, 10_000.0):
-        async with three_services(pydoc_index_dir, **{"orchestrator.batch_token_flush_interval_ms": interval_ms}) \
-                as stub:
+        async with three_services(pydoc_index_dir, **ON_THE_LOOP,
+                                  **{"orchestrator.batch_token_flush_interval_ms": interval_ms}) as stub:
             runs.append([e async for e in stub.RunTask(agent_pb2.RunTaskRequest(
                 task_id="t-batch", payload=payload, task_type=task_type, priority=agent_pb2.BATCH))])
     unheld, held = runs
