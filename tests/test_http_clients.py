@@ -449,8 +449,12 @@ async def test_readyz_is_not_ready_while_the_first_health_round_runs():
     from switchyard.orchestrator.service import OrchestratorService
     from orchestrator_fixtures import orchestrator_config
 
+    answered = asyncio.Event()
+
     async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.read()  # a dispatcher that accepts and never answers (SIGSTOP'd): its Check times out
+        # a dispatcher that accepts and never answers (SIGSTOP'd), until /readyz has answered: then its
+        # connection closes and the round ends at once, not at the timeout (which only bounds a failed run)
+        await answered.wait()
         writer.close()
 
     silent = await asyncio.start_server(hold, "127.0.0.1", 0)
@@ -460,7 +464,7 @@ async def test_readyz_is_not_ready_while_the_first_health_round_runs():
     async with running([down], base.server) as downstream:
         retrieval = f"127.0.0.1:{downstream.port}"
         with orchestrator_config(retrieval, silent_addr, base, **{"orchestrator.default_task_type": "chat",
-                                                                  "orchestrator.health_check_timeout_s": 3.0}) as cfg:
+                                                                  "orchestrator.health_check_timeout_s": 30.0}) as cfg:
             orch = OrchestratorService(cfg)
             face = HttpFace(orch, cfg, port=0)
             serving = running([orch, face], cfg.server)
@@ -473,6 +477,7 @@ async def test_readyz_is_not_ready_while_the_first_health_round_runs():
                     reply = await client.get("/readyz")
                 first_round_ran = not starting.done()
             finally:
+                answered.set()
                 await starting
                 await serving.__aexit__(None, None, None)
     silent.close()
