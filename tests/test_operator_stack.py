@@ -75,15 +75,20 @@ def stack(pydoc_index_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 class Prometheus:
-    """Debian's Prometheus server on a free port, scraping the stack every second."""
+    """Debian's Prometheus server on a free port, scraping the stack every second once :meth:`scrape` names it.
 
-    def __init__(self, binary: str, stack: UpStack, folder: Path) -> None:
-        targets = {name: stack.metrics_url(name).removeprefix("http://").removesuffix("/metrics") for name in SERVICES}
+    Its targets are files (``file_sd_configs``, one job per service), written when the stack has printed its
+    ports: Prometheus hands new targets to its scrapers on a 5 s tick (not configurable), so it is started
+    before the stack, and that wait passes while the stack starts.
+    """
+
+    def __init__(self, binary: str, folder: Path) -> None:
+        self.folder = folder
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(RULES)],
-            "scrape_configs": [{"job_name": name, "static_configs": [{"targets": [target]}]}
-                               for name, target in targets.items()],
+            "scrape_configs": [{"job_name": name, "file_sd_configs": [{"files": [str(folder / f"{name}.json")]}]}
+                               for name in SERVICES],
         }
         (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
@@ -93,6 +98,14 @@ class Prometheus:
              f"--web.listen-address={self.url.removeprefix('http://')}", "--log.level=warn"],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
+
+    def scrape(self, stack: UpStack) -> None:
+        """Scrape ``stack``'s services: each job's targets file, written whole (a rename)."""
+        for name in SERVICES:
+            target = stack.metrics_url(name).removeprefix("http://").removesuffix("/metrics")
+            partial = self.folder / f"{name}.json.partial"
+            partial.write_text(json.dumps([{"targets": [target]}]))
+            partial.rename(self.folder / f"{name}.json")
 
     def query(self, expr: str) -> list[dict]:
         """Instant query through the HTTP API; the result vector. Raises AssertionError on an API error."""
@@ -155,15 +168,24 @@ def _has_number(result: list[dict]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def prometheus(stack: UpStack, tmp_path_factory: pytest.TempPathFactory):
-    server = Prometheus(require("prometheus"), stack, tmp_path_factory.mktemp("prometheus"))
+def started_prometheus(tmp_path_factory: pytest.TempPathFactory):
+    """Prometheus started with no targets yet (:class:`Prometheus`); set up before ``stack`` (see ``prometheus``)."""
+    server = Prometheus(require("prometheus"), tmp_path_factory.mktemp("prometheus"))
     try:
-        server.wait_ready()
-        up = server.wait_for("up == 1", lambda r: len(r) == len(SERVICES))
-        assert len(up) == len(SERVICES), f"targets not all up: {up}"
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(started_prometheus: Prometheus, stack: UpStack) -> Prometheus:
+    """Prometheus scraping the stack, every service's target up. ``started_prometheus`` comes first among the
+    arguments, so that its start (and its 5 s tick) runs while the stack starts."""
+    started_prometheus.wait_ready()
+    started_prometheus.scrape(stack)
+    up = started_prometheus.wait_for("up == 1", lambda r: len(r) == len(SERVICES))
+    assert len(up) == len(SERVICES), f"targets not all up: {up}"
+    return started_prometheus
 
 
 async def _run_tasks(address: str) -> None:
@@ -179,7 +201,7 @@ async def _run_tasks(address: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def loaded(stack: UpStack, prometheus: Prometheus) -> Prometheus:
+def loaded(prometheus: Prometheus, stack: UpStack) -> Prometheus:
     """Tasks of every class have run and Prometheus has scraped their counts."""
     asyncio.run(_run_tasks(stack.address("orchestrator")))
     total = len(PRIORITIES) * TASKS_PER_CLASS
