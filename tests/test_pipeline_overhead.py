@@ -43,3 +43,16 @@ def test_a_measuring_tool_refuses_a_count_or_duration_it_cannot_run_naming_it(to
     run = subprocess.run([sys.executable, str(ROOT / "tools" / tool), *argv], capture_output=True, text=True,
                          timeout=120, env=env)
     assert run.returncode == 2 and f"{tool}: error: {says}" in run.stderr, run.stderr[-2000:]
+
+
+def test_a_server_that_exits_at_start_is_reported_at_once_not_after_the_ports_wait(tmp_path):
+    """A child that exited at start (here: its config folder is not there) left the run waiting 60 s for a port
+    that would never come, then a bare queue.Empty traceback; it is now named by its exit as soon as it exits."""
+    env = {**os.environ, "SWITCHYARD_CONFIG_DIR": str(tmp_path / "no-such-config"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), str(ROOT / "harness")])}
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "pipeline_overhead.py"), "--seconds", "0.4",
+                          "--rounds", "1", "--concurrency", "4"],
+                         capture_output=True, text=True, timeout=50, env=env, cwd=tmp_path)
+    assert run.returncode == 1
+    assert "pipeline_overhead.py: _serve_stack exited at start (exit code 1)" in run.stderr, run.stderr[-3000:]
+    assert "queue.Empty" not in run.stderr

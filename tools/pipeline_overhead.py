@@ -46,8 +46,10 @@ import argparse
 import math
 import multiprocessing as mp
 import os
+import queue
 import sys
 import tempfile
+import time
 from typing import Any
 
 CHAT = {"task_id": "overhead-{{.RequestNumber}}", "payload": "summarize this doc", "task_type": "chat",
@@ -242,7 +244,7 @@ class _Server:
             process = ctx.Process(target=target, args=(ports, *args, *(() if port is None else (port,))), daemon=True)
             process.start()
             self.processes.append(process)
-            port = ports.get(timeout=60)
+            port = self._port_of(process, ports, target.__name__)
         assert port is not None
         self.port = port
         self.events = _typical_call(self.port)
@@ -250,6 +252,24 @@ class _Server:
         self.wall_s = 0.0
         self.cpu_s: float | None = 0.0
         self.cpu_by_process: list[float] = [0.0] * len(self.processes)
+
+    @staticmethod
+    def _port_of(process: Any, ports: Any, name: str, timeout_s: float = 60.0) -> int:
+        """The port ``process`` reports on ``ports``, polled so that a child that exits at start (no config folder,
+        a port taken) is reported by its exit code at once instead of after ``timeout_s``.
+
+        Raises:
+            RuntimeError: the child exited, or reported nothing within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                return ports.get(timeout=0.2)
+            except queue.Empty:
+                if not process.is_alive():
+                    raise RuntimeError(f"{name} exited at start (exit code {process.exitcode}); its error is above") \
+                        from None
+        raise RuntimeError(f"{name} reported no port within {timeout_s:g} s")
 
     def drive(self, seconds: float, concurrency: int, warm: bool = False) -> None:
         """Drive it for ``seconds`` (``warm``: 200 calls, not counted)."""
@@ -334,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):  # interleaved: a change in the machine's load meets all three alike
             for server in servers:
                 server.drive(args.seconds / args.rounds, args.concurrency)
+    except RuntimeError as exc:  # a server of the run did not start (_Server._port_of); its children are daemons
+        print(f"pipeline_overhead.py: {exc}", file=sys.stderr)
+        return 1
     finally:
         for server in servers:
             server.stop()
