@@ -161,8 +161,9 @@ async def test_dispatcher_generate_carries_the_upstream_status(clean_proxy_env):
 
 
 async def run_task(base_url: str, request: agent_pb2.RunTaskRequest, index_dir=None, into: list | None = None,
-                   **gateway: object) -> list:
-    """The task's events; ``into``, where given, holds those that came before an error the call raised."""
+                   metadata: tuple = (), **gateway: object) -> list:
+    """The task's events; ``into``, where given, holds those that came before an error the call raised;
+    ``metadata``: the RunTask call's (x-tenant-id, say)."""
     from switchyard.api import agent_pb2_grpc
     from switchyard.common.server import running
     from switchyard.dispatcher.service import DispatcherService
@@ -184,7 +185,7 @@ async def run_task(base_url: str, request: agent_pb2.RunTaskRequest, index_dir=N
         orch = await stack.enter_async_context(running([OrchestratorService(cfg.with_overrides(**overrides))], server))
         events = [] if into is None else into
         async with open_channel(f"127.0.0.1:{orch.port}") as channel:
-            async for event in agent_pb2_grpc.AgentServiceStub(channel).RunTask(request):
+            async for event in agent_pb2_grpc.AgentServiceStub(channel).RunTask(request, metadata=metadata):
                 events.append(event)
             return events
 

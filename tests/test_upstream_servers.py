@@ -21,9 +21,9 @@ from switchyard.gateway.events import ChatRequest, Finished, Token
 from switchyard_harness.faults import Fault
 
 
-def ask(priority: str, agent: str = "agent-1", request_id: str = "r-1") -> ChatRequest:
+def ask(priority: str, agent: str = "agent-1", request_id: str = "r-1", tenant: str = "") -> ChatRequest:
     return ChatRequest(messages=[{"role": "user", "content": "hello"}], priority=PriorityClass[priority.upper()],
-                       agent_id=agent, request_id=request_id)
+                       agent_id=agent, request_id=request_id, tenant_id=tenant)
 
 
 async def stream(client: GatewayClient, request: ChatRequest) -> list:
@@ -197,6 +197,18 @@ async def test_every_upstream_request_carries_agent_and_priority_headers_through
     assert seen[4:] == [("req-10", "core", r) for r in ("req-10", "req-10-2", "req-10-3")]  # no agent: its own
 
 
+async def test_the_tenant_goes_upstream_beside_the_agent(clean_proxy_env):
+    """An agent is its tenant's and its id's: tenants acme and zeta each running ``planner`` are two agents, and
+    a gateway or scheduler in front of the model server that keys sessions by agent saw one (only X-Agent-Id
+    went up). A request that names no tenant sends no header."""
+    with start_sim() as sim:
+        async with GatewayClient(gateway_config(sim.base_url)) as client:
+            for tenant in ("acme", "zeta", ""):
+                await stream(client, ask("normal", agent="planner", tenant=tenant))
+    assert [(h.get("x-agent-id"), h.get("x-tenant-id")) for h in sim.state.headers] == [
+        ("planner", "acme"), ("planner", "zeta"), ("planner", None)]
+
+
 async def test_two_calls_in_flight_under_one_request_id_go_upstream_under_two(clean_proxy_env):
     """Two RunTasks under one task_id at once (the field's ghz command sends task_id bench-001 from 64 workers)
     reach the engine under one request id when the orchestrator's stream to the dispatcher has rotated between
@@ -234,23 +246,26 @@ async def test_ids_that_are_not_ascii_go_upstream_percent_encoded_and_the_call_s
 
 
 @pytest.mark.slow
-async def test_every_upstream_request_of_the_stack_carries_x_agent_id_and_x_priority(clean_proxy_env,
-                                                                                       pydoc_index_dir):
-    """Through orchestrator, retrieval and dispatcher: chat, rag_answer and react_loop tasks of every class;
-    100 % of the upstream requests carry both headers with the task's agent and class."""
+async def test_every_upstream_request_of_the_stack_carries_x_agent_id_x_priority_and_x_tenant_id(
+        clean_proxy_env, pydoc_index_dir):
+    """Through orchestrator, retrieval and dispatcher: chat, rag_answer and react_loop tasks of every class, of
+    tenants named by x-tenant-id or of none; 100 % of the upstream requests carry the three headers with the
+    task's agent, class and tenant (``default`` where the caller named none)."""
     from test_openai_engine import run_task
 
     classes = {agent_pb2.CORE: "core", agent_pb2.NORMAL: "normal", agent_pb2.BATCH: "batch"}
     with start_sim() as sim:
         expected = []
-        for i, (task_type, priority) in enumerate([("chat", agent_pb2.CORE), ("rag_answer", agent_pb2.BATCH),
-                                                   ("react_loop", agent_pb2.NORMAL)]):
+        for i, (task_type, priority, tenant) in enumerate([("chat", agent_pb2.CORE, "acme"),
+                                                           ("rag_answer", agent_pb2.BATCH, ""),
+                                                           ("react_loop", agent_pb2.NORMAL, "zeta")]):
             before = len(sim.state.headers)
             await run_task(sim.base_url, agent_pb2.RunTaskRequest(
                 task_id=f"hdr-{i}", agent_id=f"agent-{i}", payload="What does the with statement do?",
-                task_type=task_type, priority=priority), index_dir=pydoc_index_dir)
-            expected += [(f"agent-{i}", classes[priority])] * (len(sim.state.headers) - before)
-    got = [(h.get("x-agent-id"), h.get("x-priority")) for h in sim.state.headers]
+                task_type=task_type, priority=priority), index_dir=pydoc_index_dir,
+                metadata=(("x-tenant-id", tenant),) if tenant else ())
+            expected += [(f"agent-{i}", classes[priority], tenant or "default")] * (len(sim.state.headers) - before)
+    got = [(h.get("x-agent-id"), h.get("x-priority"), h.get("x-tenant-id")) for h in sim.state.headers]
     assert len(got) >= 4 and got == expected
 
 

@@ -750,10 +750,12 @@ class GatewayClient:
         if token:
             headers["authorization"] = f"Bearer {token}"
         if request is not None:
-            # The field's convention for tagging model calls (X-Agent-Id, X-Priority), read by
+            # The field's convention for tagging model calls (X-Agent-Id, X-Priority, X-Tenant-Id), read by
             # gateways and schedulers in front of the model server; X-Request-Id is what vLLM,
             # TGI and transformers serve take as the request's id in their logs.
             headers["x-agent-id"] = header_value(request.agent_id or request.request_id)
+            if request.tenant_id:  # whose agent: two tenants' agents of one id are two agents
+                headers["x-tenant-id"] = header_value(request.tenant_id)
             priority = request.priority if request.priority is not None else PriorityClass.NORMAL  # CORE is 0: no `or`
             headers["x-priority"] = priority.label
             if request.request_id:

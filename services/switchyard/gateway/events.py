@@ -20,7 +20,9 @@ class ChatRequest:
     none given, sent as normal and never in the server's own field) and ``agent_id`` go upstream as the ``X-Priority`` and ``X-Agent-Id`` headers of
     every request (``X-Agent-Id`` falls back to ``request_id`` when the request names no
     agent), and the priority also in the server's own field when
-    ``model_gateway.forward_priority`` is on (:mod:`switchyard.gateway.servers`).
+    ``model_gateway.forward_priority`` is on (:mod:`switchyard.gateway.servers`). ``tenant_id`` goes as
+    ``X-Tenant-Id`` (empty: not sent): an agent is its tenant's and its id's, so two tenants' agents of one id
+    are two agents upstream too.
     """
 
     messages: list[dict[str, Any]]
@@ -30,6 +32,8 @@ class ChatRequest:
     tool_choice: Any = None
     priority: PriorityClass | None = None
     agent_id: str = ""
+    tenant_id: str = ""
+    """The task's tenant (``default`` when it names none; empty: no X-Tenant-Id header)."""
     temperature: float | None = None
     request_id: str = ""
     timeout_s: float | None = None

@@ -97,7 +97,7 @@ def _assistant_before(out: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def chat_request(req: Request) -> events.ChatRequest:
-    """The gateway request for ``req``: messages, tools, max_tokens, model, priority class and agent; each HTTP
+    """The gateway request for ``req``: messages, tools, max_tokens, model, priority class, agent and tenant; each HTTP
     request of it that goes out is noted on ``req`` (:meth:`Request.sent_upstream`: what it then waits on).
 
     Raises:
@@ -110,6 +110,7 @@ def chat_request(req: Request) -> events.ChatRequest:
         tools=[_tool_spec(tool) for tool in req.tools],
         priority=req.priority,
         agent_id=req.agent_id,
+        tenant_id=req.tenant_id,
         request_id=req.request_id,
         timeout_s=None if req.deadline is None else max(0.0, req.deadline - time.monotonic()),
         affinity_key=req.agent_key,
