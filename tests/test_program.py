@@ -374,6 +374,7 @@ async def test_a_task_that_cannot_make_its_deadline_on_the_measured_means_is_ref
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         details = err.value.details()
         assert "task doomed refused early" in details and "s left" in details and "100.000 s of work expected" in details
+        assert "before its deadline (the caller's gRPC deadline)" in details  # what to give more time: named
         assert len(down.requests) == generates  # never sent to the dispatcher
         assert _value(TASKS_REFUSED_EARLY, task_type="chat") == refused + 1
         # within 50 ms of its deadline the refusal was reported as "ran out of time after 0.0008 s"
@@ -393,6 +394,26 @@ async def test_a_task_that_cannot_make_its_deadline_on_the_measured_means_is_ref
         down.orchestrator._deps.program.steps.observe("chat", "model", 100.0)
         events = await collect(stub, task_id="served", payload="hi", task_type="chat", timeout=30)
         assert events[-1].HasField("final")
+
+
+async def test_a_refusal_names_the_time_limit_key_that_set_the_deadline():
+    """A caller with no deadline of its own (the HTTP face's, a gRPC call without one) has its task type's time
+    limit as its deadline: the refusal said only "s left before its deadline", and an operator whose agents were
+    refused could not tell whether to raise orchestrator.task_time_limit_s or the callers' deadlines (the task
+    that ran out of time named it: TaskDeadlineExceeded). Each workflow's refusal names the key and its value."""
+    limits = {"chat": 10, "rag_answer": 11, "react_loop": 12}
+    down = Recording()
+    down.shares_prefixes = True  # rag_answer's refusal at its start, beside its warm-up
+    async with stack(down, **{"orchestrator.task_time_limit_s": limits}) as (stub, down):
+        program = down.orchestrator._deps.program
+        for task_type in limits:
+            program.steps.observe(task_type, "model", 100.0)  # a measured model step takes 100 s
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, task_id=f"limited-{task_type}", payload="with?", task_type=task_type)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            details = err.value.details()
+            assert f"task limited-{task_type} refused early" in details, details
+            assert f"before its deadline (orchestrator.task_time_limit_s.{task_type} = {limits[task_type]})" in details
 
 
 async def test_a_rag_answer_task_that_cannot_make_its_deadline_is_refused_before_its_retrieval_and_warm_up():

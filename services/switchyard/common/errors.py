@@ -89,16 +89,19 @@ class TaskDeadlineExceeded(SwitchyardError):
 
 class TaskRefusedEarly(SwitchyardError):
     """A task refused before a model step: its time left is below the work it is expected to need
-    (DEADLINE_EXCEEDED; the rule: orchestrator/program.py)."""
+    (DEADLINE_EXCEEDED; the rule: orchestrator/program.py). ``deadline_source``: what set the deadline, as
+    :class:`TaskDeadlineExceeded` names it (``orchestrator.task_time_limit_s.<type> = 600``, or the caller's gRPC
+    deadline), so the caller knows which to give more time."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
     def __init__(self, task_id: str, time_left_s: float, expected_work_s: float, model_steps_done: int,
-                 margin_s: float) -> None:
+                 margin_s: float, deadline_source: str = "") -> None:
+        source = f" ({deadline_source})" if deadline_source else ""
         super().__init__(
             f"task {task_id} refused early before model step {model_steps_done}: {time_left_s:.3f} s left before "
-            f"its deadline, {expected_work_s:.3f} s of work expected (the measured mean times of the steps it has "
-            f"left), short by more than orchestrator.program.refuse_early_margin_s = {margin_s:g} s")
+            f"its deadline{source}, {expected_work_s:.3f} s of work expected (the measured mean times of the steps "
+            f"it has left), short by more than orchestrator.program.refuse_early_margin_s = {margin_s:g} s")
         self.task_id = task_id
 
 

@@ -35,7 +35,8 @@ Environment", JACM 1973; least laxity first: Mok, MIT PhD thesis 1983). A task w
 time left is below its expected work (this step and those after it) by more than
 ``refuse_early_margin_s`` cannot meet its deadline on the measured means: it is
 refused DEADLINE_EXCEEDED now (a rag_answer task at its start, before its
-retrieval and the warm-up beside it: its work is the retrieval and the model step), naming the task, the time left and the expected work
+retrieval and the warm-up beside it: its work is the retrieval and the model step), naming the task, the time left,
+what set the deadline and the expected work
 (:class:`~switchyard.common.errors.TaskRefusedEarly`), instead of being served late,
 and counted in ``switchyard_tasks_refused_early_total{task_type}``. A step kind with
 no sample yet counts 0 s: a task is never refused on a guess.
@@ -224,11 +225,13 @@ class Program:
         return left * (steps.mean(task_type, "model", max_tokens) + steps.mean(task_type, "tool"))
 
     def budget(self, task_id: str, task_type: str, deadline_s: float, model_steps_done: int,
-               prefill: bool = False, max_tokens: int | None = None) -> Budget:
+               prefill: bool = False, max_tokens: int | None = None, deadline_source: str = "") -> Budget:
         """The budget of the model step about to start; refuses a task that cannot make its deadline.
 
         Args:
             deadline_s: the task's deadline, a ``time.monotonic()`` instant.
+            deadline_source: what set it (the task type's time limit key, or the caller's gRPC deadline), named
+                by the refusal.
             max_tokens: the completion tokens the step (and each one after it) may make at most; a measured
                 step that made more counts the share of its time these could take (:meth:`StepTimes.mean`).
                 None: measured steps count whole.
@@ -248,5 +251,5 @@ class Program:
         if config.refuse_early and budget.slack_s < -config.refuse_early_margin_s:
             TASKS_REFUSED_EARLY.labels(bounded(task_type, TASK_TYPES)).inc()
             raise TaskRefusedEarly(task_id, budget.time_left_s, budget.this_step_s + budget.remaining_after_s,
-                                   model_steps_done, config.refuse_early_margin_s)
+                                   model_steps_done, config.refuse_early_margin_s, deadline_source)
         return budget

@@ -246,7 +246,8 @@ class Task:
         """
         program, workflow = self.deps.program, self.spec.workflow
         budget = program.budget(self.spec.task_id, workflow, self.deadline_s, self.generations,
-                                max_tokens=self.spec.max_tokens if max_tokens is None else max_tokens)
+                                max_tokens=self.spec.max_tokens if max_tokens is None else max_tokens,
+                                deadline_source=self.deadline_source)
         started, made = time.monotonic(), 0
         turn, self.generations = self.generations, self.generations + 1
         text: list[str] = []
@@ -303,7 +304,8 @@ class Task:
                 any of it runs.
         """
         return self.deps.program.budget(self.spec.task_id, self.spec.workflow, self.deadline_s, self.generations,
-                                        prefill=True, max_tokens=self.spec.max_tokens)
+                                        prefill=True, max_tokens=self.spec.max_tokens,
+                                        deadline_source=self.deadline_source)
 
     async def prefill(self, prefix: str, budget: Budget) -> None:
         """Warm the dispatcher's prefix state with ``prefix`` (a true prefix of the prompt to come): one
