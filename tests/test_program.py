@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import aiohttp
 import httpx
@@ -148,6 +149,43 @@ async def test_a_tool_call_is_announced_to_the_agents_dispatcher_with_its_expect
         assert down.tool_waits[2].expected_wait_s == program.tools.expected_s("search_docs") or \
             down.tool_waits[2].expected_wait_s < 3.0
     assert _value(TOOL_WAIT_HINTS, outcome="ok") >= ok + 4
+
+
+class OneRoundOfSeveralCalls(Recording):
+    """A model that asks for several tools in one step (parallel tool calls), then answers."""
+
+    calls = (("search_docs", {"query": "with statement"}), ("invented_tool", {}), ("calculator", {"expression": "1+1"}))
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if request.tools and not any(m.role == "tool" for m in request.messages):
+            for i, (name, arguments) in enumerate(self.calls):
+                yield agent_pb2.GenerateChunk(tool_call=agent_pb2.ToolCall(
+                    call_id=f"c{i}", name=name, arguments_json=json.dumps(arguments)))
+        else:
+            yield agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text="Done.", index=0))
+        yield agent_pb2.GenerateChunk(done=agent_pb2.GenerateDone(
+            usage=agent_pb2.TokenUsage(prompt_tokens=10, completion_tokens=1, total_tokens=11)))
+
+
+async def test_each_call_of_a_round_announces_the_wait_until_the_agents_next_step():
+    """The calls of one round run one after another and the agent's next step comes after the last: the wait
+    each announcement tells the dispatcher is its call's expected duration plus those of the calls after it (an
+    unknown tool none: answered at once). Each call announced its own alone, so the first call of a round had
+    its swapped KV planned back in HBM at its own return, ahead of a turn that came after the others too, and
+    its measured returns (announcement to turn) counted the other calls against its estimate."""
+    async with stack(OneRoundOfSeveralCalls()) as (stub, down):
+        durations = down.orchestrator._deps.program.tools
+        durations.observe("search_docs", 2.0)
+        durations.observe("calculator", 3.0)
+        # the calls' own (quick) durations must not move the estimates between the announcements
+        durations.observe = lambda *args: None
+        events = await collect(stub, task_id="round", payload="with?", task_type="react_loop")
+        assert events[-1].final.output == "Done."
+        assert [e.tool_result.name for e in events if e.HasField("tool_result")] == [
+            "search_docs", "invented_tool", "calculator"]
+        await _until(lambda: len(down.tool_waits) == 2, "the two known tools' announcements")
+        assert [(w.tool, w.expected_wait_s) for w in down.tool_waits] == [("search_docs", 5.0), ("calculator", 3.0)]
 
 
 async def test_a_dispatcher_that_never_answers_the_announcement_does_not_delay_the_tool():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -106,8 +107,8 @@ async def react(task: Task, tools: list[Tool]) -> str:
             counted = len(task.messages)
             task.messages.append(agent_pb2.ChatMessage(role="assistant", content=text, tool_calls=calls))
             round_started = time.monotonic()
-            for call in calls:
-                await _observe(task, by_name, call, policy, parked)
+            for i, call in enumerate(calls):
+                await _observe(task, by_name, call, policy, parked, calls[i + 1:])
             task.deps.program.steps.observe(task.spec.workflow, "tool", time.monotonic() - round_started)
             added = [(m.role, m.content + "".join(c.name + c.arguments_json for c in m.tool_calls))
                      for m in task.messages[counted:]]
@@ -184,9 +185,15 @@ def _end_tool_wait(task: Task, announced: list[_Waiting], label: str) -> None:
 
 
 async def _observe(task: Task, tools: dict[str, Tool], call: agent_pb2.ToolCall, policy: ReactConfig,
-                   announced: list[_Waiting]) -> None:
+                   announced: list[_Waiting], after: Sequence[agent_pb2.ToolCall] = ()) -> None:
     """Run one tool call; its result joins the conversation (an error result too). Its announcement to the
-    dispatcher, made as it starts, is appended to ``announced`` (an unknown tool is not announced)."""
+    dispatcher, made as it starts, is appended to ``announced`` (an unknown tool is not announced).
+
+    ``after``: the calls of its round still to run after it, one after another. The announced wait is the
+    agent's wait for its next step, which comes after them all: this call's expected duration plus theirs
+    (an unknown tool's is none: it is answered at once). Announced with its own alone, the first call of a
+    round of several had its swapped KV planned back in HBM at its own return, seconds before the turn, and
+    its tool's measured returns (announcement to turn) counted the calls after it against its own estimate."""
     task.emit(agent_pb2.TaskEvent(tool_call=agent_pb2.ToolCallEvent(
         call_id=call.call_id, name=call.name, arguments_json=call.arguments_json)))
     tool_label = bounded(call.name, tools)  # a model may invent tool names: labels stay a bounded set
@@ -198,7 +205,8 @@ async def _observe(task: Task, tools: dict[str, Tool], call: agent_pb2.ToolCall,
             content, is_error, attempts = f"unknown tool {call.name!r}; available: {', '.join(tools)}", True, 0
         else:
             durations = task.deps.program.tools
-            expected_s = durations.expected_s(call.name)
+            expected_s = durations.expected_s(call.name) + sum(durations.expected_s(c.name) for c in after
+                                                               if c.name in tools)
             announced.append(_Waiting(call.name, expected_s,
                                       task.deps.inference.announce_tool_wait(task.spec, call.name, expected_s)))
             started = time.monotonic()
