@@ -112,6 +112,25 @@ async def test_each_agent_stays_on_one_replica_and_agents_spread():
     assert used == {"d0", "d1", "d2"}  # 24 agents, load bound 1.2: no replica may take more than 9
 
 
+async def test_two_tenants_agents_of_one_id_are_placed_as_two_agents():
+    """An agent is its tenant's and its id's: 24 tenants each running an agent ``planner`` are 24 agents, placed
+    over the replicas by the bounded-load rule as any 24 agents are. The replicas were picked by the bare agent
+    id, so they were one key: every tenant's planner on one replica (one calls at a time: no overflow spreads
+    them), the others idle, and each tenant's agent state on the replica of another's."""
+    async with fleet() as (_, served, (stub, _started)):
+        for round_ in range(2):
+            for t in range(24):
+                request = agent_pb2.RunTaskRequest(task_id=f"t{t}-{round_}", agent_id="planner", payload="say hello",
+                                                   task_type="chat", max_tokens=4)
+                events = [e async for e in stub.RunTask(request, timeout=60, metadata=(("x-tenant-id", f"t{t}"),))]
+                assert events[-1].HasField("final")
+    labels = [label for label, _agent in served]
+    assert len(labels) == 48
+    by_tenant = [{labels[t], labels[24 + t]} for t in range(24)]  # its two calls, one per round
+    assert all(len(placed) == 1 for placed in by_tenant), by_tenant  # each tenant's planner stays home
+    assert set(labels) == {"d0", "d1", "d2"}  # 24 agents, load bound 1.2: no replica may take more than 9
+
+
 async def test_a_replica_going_away_moves_only_its_agents_and_no_call_fails():
     async with fleet() as (servers, served, (stub, _started)):
         agents = [f"agent-{i}" for i in range(12)]

@@ -27,6 +27,7 @@ from switchyard.common.channels import MAX_RECONNECT_BACKOFF_MS, beyond_deadline
 from switchyard.common.config import AffinityConfig, ProgramConfig, ServerConfig, TlsConfig
 from switchyard.common.request_ids import LiveRequestIds
 from switchyard.common.tasks import settle
+from switchyard.common.tenant import agent_key
 from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.orchestrator.generate_stream import GenerateStreamClient, RequestFailed
 from switchyard.orchestrator.metrics import DISPATCHER_RETRIES, TOOL_WAIT_HINT_OUTCOMES, TOOL_WAIT_HINTS
@@ -217,10 +218,14 @@ class InferenceClient:
             self.replicas = ReplicaSet(address, config, affinity.idle_s, affinity.resolve_interval_s, affinity.balance)
 
     def affinity_key(self, spec: TaskSpec) -> str | None:
-        """The key an agent's calls are routed by (generations and tool-wait announcements alike): its
-        ``agent_id``; without one, the task itself for a workflow whose calls share a prefix (react_loop's
-        turns; rag_answer's early prefill and its answer); else None (the next replica in turn)."""
-        return spec.agent_id or (spec.task_id if spec.workflow in self.task_affinity else None)
+        """The key an agent's calls are routed by (generations and tool-wait announcements alike): the agent's
+        key, its tenant's and its id's (:func:`switchyard.common.tenant.agent_key`: two tenants' agents of one
+        id are two agents, placed apart); without an agent, the task itself (task ids are one namespace across
+        tenants) for a workflow whose calls share a prefix (react_loop's turns; rag_answer's early prefill and
+        its answer); else None (the next replica in turn)."""
+        if spec.agent_id:
+            return agent_key(spec.tenant_id, spec.agent_id)
+        return spec.task_id if spec.workflow in self.task_affinity else None
 
     async def _route(self, affinity_key: str | None, tried: frozenset[str]) -> tuple[str, grpc.aio.Channel]:
         if self.replicas is not None:
@@ -279,8 +284,9 @@ class InferenceClient:
         before the cancellation or the error goes on, once per attempt that ran.
 
         The call goes to the replica holding the agent's warm state (see
-        :mod:`switchyard.orchestrator.replicas`): the agent is ``spec.agent_id``, or for a
-        ``react_loop`` without one the task itself (its turns share the KV of one conversation).
+        :mod:`switchyard.orchestrator.replicas`): the agent is its tenant's and ``spec.agent_id``'s
+        (:meth:`affinity_key`), or for a ``react_loop`` without one the task itself (its turns share the KV of
+        one conversation).
         A call that fails UNAVAILABLE from the replica itself (unreachable, or draining) before its
         first chunk did nothing the caller saw: it is tried again on another replica, up to
         :data:`MAX_ATTEMPTS` times; with none other, again on the same one once its channel has connected
