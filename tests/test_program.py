@@ -20,7 +20,7 @@ from switchyard.common.auth import AuthConfigError, load_tokens
 from switchyard.common.channels import open_channel
 from switchyard.common.config import AuthConfig, ConfigError, ProgramConfig, SwitchyardConfig, load_config
 from switchyard.common.server import running
-from switchyard.dispatcher.metrics import PREFIX_CACHE_BLOCKS
+from switchyard.dispatcher.metrics import PREFIX_CACHE_BLOCKS, REFUSED_EARLY
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator import prompts
 from switchyard.orchestrator.http_face import HttpFace
@@ -564,12 +564,12 @@ async def test_rag_answer_sends_system_prompt_and_question_ahead_when_the_engine
 
 
 @contextlib.asynccontextmanager
-async def sim_stack(dispatcher: DispatcherService, retrieval: Downstream):
+async def sim_stack(dispatcher: DispatcherService, retrieval: Downstream, **overrides):
     """(AgentService stub, InferenceService stub) of a real orchestrator in front of ``dispatcher`` and the fake
-    ``retrieval``, all on 127.0.0.1 port 0."""
+    ``retrieval``, all on 127.0.0.1 port 0; ``overrides``: the orchestrator's config (dotted keys)."""
     base = load_config("config", service="orchestrator")
     async with running([dispatcher], base.server) as disp, running([retrieval], base.server) as retr:
-        with orchestrator_config(f"127.0.0.1:{retr.port}", f"127.0.0.1:{disp.port}", base) as cfg:
+        with orchestrator_config(f"127.0.0.1:{retr.port}", f"127.0.0.1:{disp.port}", base, **overrides) as cfg:
             async with running([OrchestratorService(cfg)], cfg.server) as orch:
                 channel, direct = open_channel(f"127.0.0.1:{orch.port}"), open_channel(f"127.0.0.1:{disp.port}")
                 try:
@@ -597,6 +597,47 @@ async def test_against_the_sim_dispatcher_the_answer_extends_the_prefix_the_pref
     assert events[-1].HasField("final") and events[-1].final.output
     static_blocks = len(prompts.static_prefix("rag_answer", question).split()) // 16
     assert static_blocks >= 2 and _value(PREFIX_CACHE_BLOCKS, result="hit") >= hits + static_blocks
+
+
+@pytest.mark.parametrize("program, refused", [
+    ({}, True),
+    ({"orchestrator.program.refuse_early": False}, False),
+    ({"orchestrator.program.refuse_early_margin_s": 1000.0}, False),  # short by 740 s: within the margin
+    ({"orchestrator.program.refuse_early_margin_s": 500.0}, True),
+])
+async def test_the_orchestrators_refusal_settings_hold_at_the_fair_dispatcher_too(program, refused):
+    """orchestrator.program.refuse_early off says: serve a task whatever the estimates of its work say (its time
+    limit still ends it); refuse_early_margin_s: tolerate that much shortfall. The orchestrator followed them, but
+    the fair dispatcher refused the same step on its own estimate at any negative slack (DEADLINE_EXCEEDED
+    "cannot meet its task's deadline"), so the keys changed only who refused. Each request now carries them
+    (GenerateRequest.no_early_refusal, early_refusal_margin_s): ordered by its slack still, refused only as the
+    orchestrator's settings say."""
+    dispatcher = DispatcherService(SwitchyardConfig().with_overrides(**FAST, **{"scheduler.policy": "fair"}))
+    async with sim_stack(dispatcher, Downstream(), **program) as (stub, _):
+        await collect(stub, task_id="warm", payload="hi", task_type="chat", max_tokens=8)
+        dispatcher.loop.scheduler._step_s = 100.0  # a measured decode step of 100 s: 8 tokens take 800 s
+        before = _value(REFUSED_EARLY, priority_class="normal")
+        if refused:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, task_id="late", payload="hi", task_type="chat", max_tokens=8, timeout=60)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "cannot meet its task's deadline" in err.value.details()
+        else:
+            events = await collect(stub, task_id="late", payload="hi", task_type="chat", max_tokens=8, timeout=60)
+            assert events[-1].HasField("final")
+        assert _value(REFUSED_EARLY, priority_class="normal") == before + refused
+
+
+def test_a_direct_callers_refusal_margin_is_checked_naming_the_field():
+    from switchyard.common.errors import InvalidArgument
+    from switchyard.dispatcher.processor import to_request
+
+    config = SwitchyardConfig()
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(InvalidArgument) as err:
+            to_request(agent_pb2.GenerateRequest(request_id="r", prompt="hi", early_refusal_margin_s=bad), config,
+                       "sim-7b")
+        assert str(err.value).startswith("early_refusal_margin_s"), str(err.value)
 
 
 # --------------------------------------------------------------------------- the dispatcher's side

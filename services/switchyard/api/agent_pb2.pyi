@@ -322,7 +322,7 @@ class ToolSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "prompt_tokens", "max_tokens", "model", "priority", "task_type", "agent_id", "tools", "resume", "tenant_id", "task_time_left_s", "expected_remaining_work_s", "prefill_only", "task_id")
+    __slots__ = ("request_id", "prompt", "messages", "prompt_tokens", "max_tokens", "model", "priority", "task_type", "agent_id", "tools", "resume", "tenant_id", "task_time_left_s", "expected_remaining_work_s", "prefill_only", "task_id", "no_early_refusal", "early_refusal_margin_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +339,8 @@ class GenerateRequest(_message.Message):
     EXPECTED_REMAINING_WORK_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    NO_EARLY_REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    EARLY_REFUSAL_MARGIN_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -355,7 +357,9 @@ class GenerateRequest(_message.Message):
     expected_remaining_work_s: float
     prefill_only: bool
     task_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., task_type: _Optional[str] = ..., agent_id: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ..., resume: _Optional[bool] = ..., tenant_id: _Optional[str] = ..., task_time_left_s: _Optional[float] = ..., expected_remaining_work_s: _Optional[float] = ..., prefill_only: _Optional[bool] = ..., task_id: _Optional[str] = ...) -> None: ...
+    no_early_refusal: bool
+    early_refusal_margin_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., task_type: _Optional[str] = ..., agent_id: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ..., resume: _Optional[bool] = ..., tenant_id: _Optional[str] = ..., task_time_left_s: _Optional[float] = ..., expected_remaining_work_s: _Optional[float] = ..., prefill_only: _Optional[bool] = ..., task_id: _Optional[str] = ..., no_early_refusal: _Optional[bool] = ..., early_refusal_margin_s: _Optional[float] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("call_id", "name", "arguments_json")

@@ -158,7 +158,8 @@ def to_request(
             ``messages``, ``tools``, ``messages[i].role``, ``tools[i].name`` (not :data:`TOOL_NAME`'s, or another
             tool's), ``tools[i].parameters_json`` (:func:`schema_problem`; its size, and all of them together:
             :func:`check_tool_schema_sizes`), ``tenant_id``,
-            ``task_time_left_s``, ``expected_remaining_work_s`` or ``resume`` (set without an ``agent_id``).
+            ``task_time_left_s``, ``expected_remaining_work_s``, ``early_refusal_margin_s`` or ``resume`` (set
+            without an ``agent_id``).
         SwitchyardError: NOT_FOUND, a model this engine does not serve.
     """
     limits = config.limits
@@ -200,15 +201,18 @@ def to_request(
         task_time_left_s=request.task_time_left_s or None,
         expected_remaining_work_s=request.expected_remaining_work_s,
         prefill_only=request.prefill_only,
+        no_early_refusal=request.no_early_refusal,
+        early_refusal_margin_s=request.early_refusal_margin_s,
     )
 
 
 def _check_fields(request: agent_pb2.GenerateRequest, limits: RequestLimitsConfig, engine_model: str,
                   served: Sequence[str]) -> None:
     """:func:`to_request`'s checks of the request's own fields, each against its limit (raises as it says)."""
-    for name, seconds in (("task_time_left_s", request.task_time_left_s),
-                          ("expected_remaining_work_s", request.expected_remaining_work_s)):
-        untrusted.check_seconds(seconds, name, "not given")
+    for name, seconds, zero in (("task_time_left_s", request.task_time_left_s, "not given"),
+                                ("expected_remaining_work_s", request.expected_remaining_work_s, "not given"),
+                                ("early_refusal_margin_s", request.early_refusal_margin_s, "no shortfall tolerated")):
+        untrusted.check_seconds(seconds, name, zero)
     if not request.prompt.strip() and not request.messages:
         raise InvalidArgument("prompt", "a non-empty prompt, or at least one message", request.prompt)
     if request.max_tokens < 0 or request.max_tokens > limits.max_tokens:

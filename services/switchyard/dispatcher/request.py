@@ -214,7 +214,7 @@ class Request:
     ``agent.Priority``; its numbers differ from the class's ranks, so a number is refused here)."""
     resume: bool = False
     """Set by a react_loop agent coming back from a tool call (warm prefix state)."""
-    # --- the task's program, as its orchestrator sees it (GenerateRequest fields 12-15)
+    # --- the task's program, as its orchestrator sees it (GenerateRequest fields 12-15, 17 and 18)
     tenant_id: str = DEFAULT_TENANT
     task_time_left_s: float | None = None
     """Seconds its task had left when the request was sent; None: not given."""
@@ -222,6 +222,12 @@ class Request:
     """Its task's expected work after this request, seconds (slack = time left - own time - this)."""
     prefill_only: bool = False
     """Compute the prompt's prefix state only: no tokens are wanted."""
+    no_early_refusal: bool = False
+    """Never refused on an estimate of its task's work (its orchestrator's ``orchestrator.program.refuse_early``
+    is off): the fair policy orders it by slack and serves it when that is negative."""
+    early_refusal_margin_s: float = 0.0
+    """Shortfall of slack tolerated before it is refused as unable to make its deadline, seconds (its
+    orchestrator's ``orchestrator.program.refuse_early_margin_s``)."""
 
     arrival: float = field(default_factory=time.monotonic)
     """When the Generate call arrived."""

@@ -208,6 +208,12 @@ class InferenceClient:
         """Workflows whose calls without an agent are routed by their task id (:meth:`affinity_key`)."""
         self._hints: set[asyncio.Task[None]] = set()
         self._hint_logged: set[str] = set()
+        self.no_early_refusal = not program.refuse_early
+        """``orchestrator.program.refuse_early`` off: every Generate says so (``no_early_refusal``), and the
+        dispatcher's fair policy serves it whatever its slack, as this orchestrator does."""
+        self.early_refusal_margin_s = program.refuse_early_margin_s
+        """``orchestrator.program.refuse_early_margin_s``, on every Generate (``early_refusal_margin_s``): the
+        dispatcher's fair policy tolerates the shortfall this orchestrator tolerates."""
         self.hint_timeout_s = program.tool_wait_hint_timeout_ms / 1000
         """Deadline of one ToolWait announcement (``orchestrator.program.tool_wait_hint_timeout_ms``), seconds."""
         addresses = static_addresses(address)
@@ -317,6 +323,8 @@ class InferenceClient:
             task_time_left_s=max(budget.time_left_s, sys.float_info.min) if budget is not None else 0.0,
             expected_remaining_work_s=budget.remaining_after_s if budget is not None else 0.0,
             prefill_only=prefill_only,
+            no_early_refusal=self.no_early_refusal,
+            early_refusal_margin_s=self.early_refusal_margin_s,
         )
         # Two tasks under one task_id on two dispatcher replicas would reach the model server behind them under
         # one X-Request-Id (one replica's calls are kept apart by its gateway's own LiveRequestIds too).

@@ -350,10 +350,13 @@ class ProgramConfig(_Strict):
         256, ge=1, le=100_000, description="Recent steps kept per (task type, step kind) for their mean time, steps.")
     refuse_early: bool = Field(
         True, description="Refuse DEADLINE_EXCEEDED before a model step when the task's time left is below its "
-        "expected work (this step and those after it) by more than refuse_early_margin_s.")
+        "expected work (this step and those after it) by more than refuse_early_margin_s. Off: no refusal on an "
+        "estimate, here or at a fair-policy dispatcher (each request says so: GenerateRequest.no_early_refusal); "
+        "the time limit still ends the task.")
     refuse_early_margin_s: float = Field(
-        0.0, ge=0, le=86_400, description="Shortfall of time left against expected work tolerated, seconds. Read "
-        "only with refuse_early on: set with it off, refused at load.")
+        0.0, ge=0, le=86_400, description="Shortfall of time left against expected work tolerated, seconds, here "
+        "and at a fair-policy dispatcher (GenerateRequest.early_refusal_margin_s). Read only with refuse_early on: "
+        "set with it off, refused at load.")
     rag_early_prefill: bool = Field(
         True, description="rag_answer: send system prompt + question as a prefill_only request while retrieval "
         "runs, when the dispatcher says its engine shares prefixes (ModelInfo.shares_prefixes).")

@@ -157,13 +157,18 @@ class FairScheduler(PriorityScheduler):
         """Refuse a request that cannot make its deadline (:meth:`SchedulerCore.add_request` asks once the
         dispatcher is known not to be draining: a draining one answers UNAVAILABLE, retried elsewhere).
 
+        A request that says ``no_early_refusal`` (its orchestrator's ``orchestrator.program.refuse_early`` is off)
+        is never refused here: it is ordered by its slack, and served; one short by no more than its
+        ``early_refusal_margin_s`` (its orchestrator's ``refuse_early_margin_s``) is served too.
+
         Raises:
-            CannotMeetDeadline: its slack is already negative (DEADLINE_EXCEEDED).
+            CannotMeetDeadline: its slack is already below ``-early_refusal_margin_s`` (DEADLINE_EXCEEDED).
         """
-        if req.task_time_left_s is not None:
+        if req.task_time_left_s is not None and not req.no_early_refusal:
             left = req.task_time_left_s - max(0.0, now - req.arrival)
             try:
-                slack_rule.check(req.request_id, left, req.expected_remaining_work_s, self.expected_service_s(req))
+                slack_rule.check(req.request_id, left, req.expected_remaining_work_s, self.expected_service_s(req),
+                                 req.early_refusal_margin_s)
             except slack_rule.CannotMeetDeadline:
                 self.counters.refused_early[req.priority.label] += 1  # switchyard_requests_refused_early_total
                 if req.resume and req.agent_key:  # its task ends here: nothing is kept for its next turn

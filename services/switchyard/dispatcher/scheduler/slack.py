@@ -59,9 +59,10 @@ def slack_s(time_left_s: float | None, expected_remaining_work_s: float = 0.0, e
     return float(time_left_s) - max(0.0, expected_remaining_work_s) - max(0.0, expected_service_s)
 
 
-def cannot_make_it(slack: float) -> bool:
-    """True when the task cannot meet its deadline even if this request is served at once: ``slack < 0``."""
-    return slack < 0
+def cannot_make_it(slack: float, margin_s: float = 0.0) -> bool:
+    """True when the task cannot meet its deadline even if this request is served at once: ``slack < 0``, or
+    short by more than ``margin_s`` (the caller's tolerance of its estimates, seconds >= 0)."""
+    return slack < -margin_s
 
 
 CANNOT_MEET_DEADLINE = "cannot meet its task's deadline"
@@ -84,14 +85,14 @@ class CannotMeetDeadline(RequestDeadlineExceeded):
 
 
 def check(request_id: str, time_left_s: float | None, expected_remaining_work_s: float = 0.0,
-          expected_service_s: float = 0.0) -> float:
-    """The request's slack; raises when it cannot make its deadline.
+          expected_service_s: float = 0.0, margin_s: float = 0.0) -> float:
+    """The request's slack; raises when it cannot make its deadline (short by more than ``margin_s``).
 
     Raises:
-        CannotMeetDeadline: ``cannot_make_it(slack)``.
+        CannotMeetDeadline: ``cannot_make_it(slack, margin_s)``.
     """
     slack = slack_s(time_left_s, expected_remaining_work_s, expected_service_s)
-    if cannot_make_it(slack):
+    if cannot_make_it(slack, margin_s):
         raise CannotMeetDeadline(request_id, slack, float(time_left_s or 0.0), max(0.0, expected_remaining_work_s),
                                  max(0.0, expected_service_s))
     return slack
