@@ -45,10 +45,12 @@ class _Quick(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self) -> None:
         self.time_left: list[float | None] = []
         self.authorization: list[str] = []
+        self.tenant_and_agent: list[tuple[str | None, str]] = []
 
     async def RunTask(self, request, context):
         self.time_left.append(context.time_remaining())
         self.authorization.append(dict(context.invocation_metadata()).get("authorization", ""))
+        self.tenant_and_agent.append((dict(context.invocation_metadata()).get("x-tenant-id"), request.agent_id))
         yield agent_pb2.TaskEvent(accepted=agent_pb2.Accepted(task_id="t"))
         yield agent_pb2.TaskEvent(final=agent_pb2.FinalEvent(finish_reason="stop"))
 
@@ -198,3 +200,33 @@ async def test_a_connection_cut_mid_stream_is_named_with_the_orchestrators_addre
     err = capsys.readouterr().err
     assert code == 1 and "UNAVAILABLE" in err, err
     assert f"the connection to the orchestrator at {proxied} broke before the task ended" in err, err
+
+
+async def test_the_agent_and_its_tenant_are_named_from_the_command_line(capsys):
+    """An agent program's user tries tenants and agents from the command line: switchyard run had no way to name
+    either (a tenant only through a token whose line names one). --tenant goes as x-tenant-id, --agent-id as the
+    request's agent; a tenant the edge would refuse is refused before the call, naming the flag."""
+    servicer = _Quick()
+    async with serving(servicer) as addr:
+        assert await asyncio.to_thread(run_main, ["--addr", addr, "--tenant", "acme", "--agent-id", "planner",
+                                                  "hello"]) == 0
+        assert await asyncio.to_thread(run_main, ["--addr", addr, "hello"]) == 0
+        with pytest.raises(SystemExit) as caught:
+            await asyncio.to_thread(run_main, ["--addr", addr, "--tenant", "acme corp", "hello"])
+        assert caught.value.code == 2
+    assert servicer.tenant_and_agent == [("acme", "planner"), (None, "")]
+    assert "--tenant: expected 1 to 64 characters of A-Z a-z 0-9 . _ -, got 'acme corp'" in capsys.readouterr().err
+
+
+async def test_a_task_refused_on_its_own_timeout_names_the_flag_to_raise(capsys):
+    """A real orchestrator refuses a task whose measured work does not fit in the caller's deadline, naming that
+    deadline as the caller's: for switchyard run, its --timeout; the command says so."""
+    from test_program import stack
+
+    async with stack() as (stub, down):
+        down.orchestrator._deps.program.steps.observe("chat", "model", 100.0)  # a measured chat step takes 100 s
+        addr = f"127.0.0.1:{down.orchestrator_port}"
+        code = await asyncio.to_thread(run_main, ["--addr", addr, "--task-type", "chat", "--timeout", "30", "hi"])
+    err = capsys.readouterr().err
+    assert code == 1 and "refused early" in err and "(the caller's gRPC deadline)" in err, err
+    assert "this command's --timeout (30 s) is the task's deadline, and its measured work does not fit in it" in err

@@ -97,6 +97,7 @@ async def stack(down: Downstream | None = None, env: dict[str, str] | None = Non
                 down.http = HttpFace(orchestrator, cfg, port=0)
                 services.append(down.http)
             async with running(services, cfg.server) as orch:
+                down.orchestrator_port = orch.port
                 channel = open_channel(f"127.0.0.1:{orch.port}")
                 try:
                     yield agent_pb2_grpc.AgentServiceStub(channel), down

@@ -23,6 +23,7 @@ from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.common.cli_text import parser_for
 from switchyard.common.errors import InvalidArgument
 from switchyard.common.grpc_target import address_problem
+from switchyard.common.tenant import EXPECTED, TENANT_HEADER, TENANT_PATTERN
 from switchyard.common.untrusted import terminal_safe
 from switchyard.orchestrator.http_models import message_dict
 from switchyard.orchestrator.validation import parse_priority
@@ -144,20 +145,27 @@ class HumanPrinter:
 
 async def run_task(
     address: str, request: agent_pb2.RunTaskRequest, on_event, timeout: float | None, token: str | None = None,
-    server: ServerConfig | None = None,
+    server: ServerConfig | None = None, tenant: str = "",
 ) -> None:
     """Call RunTask at ``address`` and pass each event to ``on_event``; ``token`` is sent as a bearer
-    token, and ``server.tls`` (when on) secures the channel.
+    token, ``tenant`` (non-empty) as ``x-tenant-id``, and ``server.tls`` (when on) secures the channel.
 
     Raises:
         grpc.aio.AioRpcError: the task failed; its code and details say why.
     """
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    metadata: list[tuple[str, str]] = []
+    if token:
+        metadata.append(("authorization", f"Bearer {token}"))
+    if tenant:
+        metadata.append((TENANT_HEADER, tenant))
     async with open_channel(address, server, peer="orchestrator") as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
-        async for event in stub.RunTask(request, timeout=timeout, metadata=metadata):
+        async for event in stub.RunTask(request, timeout=timeout, metadata=tuple(metadata) or None):
             on_event(event)
 
+
+_REFUSED_ON_OUR_DEADLINE = "before its deadline (the caller's gRPC deadline)"
+"""What the orchestrator's early refusal says when the caller's deadline (this command's --timeout) set it."""
 
 _GRPC_DEADLINE = re.compile(r"^(Stream removed \()?Deadline Exceeded\)?$")
 """grpc's own words for the caller's deadline: the server's message names its limit instead."""
@@ -192,6 +200,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", default="",
                         help="model alias or id (default: the engine's own; model_gateway.default_model on the openai engine)")
     parser.add_argument("--task-id", default="", help="the task's id (default: one the orchestrator makes)")
+    parser.add_argument("--agent-id", default="", help="the agent the task belongs to (its memory, its session's "
+                                                         "fair share, its replica; default: none, the task alone)")
+    parser.add_argument("--tenant", default="", help=f"the tenant it runs for, sent as x-tenant-id ({EXPECTED}; "
+                                                       "default: the bearer token's, else default)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds (default 120)")
     parser.add_argument("--json", action="store_true", help="one JSON object per event")
     add_token_options(parser)  # --token-file and --token-env, as profile, bench http and the locustfile take them
@@ -199,6 +211,8 @@ def main(argv: list[str]) -> int:
     if not 0 < args.timeout <= MAX_CALL_TIMEOUT_S:  # NaN fails it too; a larger one failed at once, DEADLINE_EXCEEDED
         parser.error(f"--timeout: expected seconds > 0, at most {MAX_CALL_TIMEOUT_S:g} (gRPC's deadline overflows "
                      f"past it), got {args.timeout:g}")
+    if args.tenant and not TENANT_PATTERN.fullmatch(args.tenant):
+        parser.error(f"--tenant: expected {EXPECTED}, got {args.tenant[:80]!r}")
     address = args.addr
     if address is not None and (problem := address_problem(address)):
         parser.error(f"--addr: expected host:port such as 127.0.0.1:50051, a port in 1-65535, got {address!r} "
@@ -219,6 +233,7 @@ def main(argv: list[str]) -> int:
         address = f"{config.server.host}:{config.orchestrator.port}"
     request = agent_pb2.RunTaskRequest(
         task_id=args.task_id,
+        agent_id=args.agent_id,
         payload=" ".join(args.question),
         task_type=args.task_type,
         priority=args.priority,
@@ -236,12 +251,15 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(run_task(address, request, on_event, args.timeout, token, config.server))
+        asyncio.run(run_task(address, request, on_event, args.timeout, token, config.server, args.tenant))
     except grpc.aio.AioRpcError as err:
         print(f"\nerror: {err.code().name}: {terminal_safe(err.details() or '')}", file=sys.stderr)
         if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _GRPC_DEADLINE.search(err.details() or ""):
             print(f"this command's --timeout ({args.timeout:g} s) ran out before the task ended; raise it for a "
                   "longer task (the task was cancelled with the call)", file=sys.stderr)
+        elif err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _REFUSED_ON_OUR_DEADLINE in (err.details() or ""):
+            print(f"this command's --timeout ({args.timeout:g} s) is the task's deadline, and its measured work "
+                  "does not fit in it: raise it for a longer task", file=sys.stderr)
         elsewhere = not_grpc_here(address, err.details() or "", config.orchestrator.port)
         if err.code() == grpc.StatusCode.UNAVAILABLE and elsewhere is not None:
             print(f"{elsewhere}; --addr takes that port", file=sys.stderr)
