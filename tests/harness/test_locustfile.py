@@ -53,13 +53,15 @@ async def test_the_locustfile_sends_the_bearer_token_of_switchyard_auth_token_or
     submit = none_stats["/api/v1/agent/submit"]
     assert int(submit["Request Count"]) > 0 and submit["Failure Count"] == submit["Request Count"]
 
+    # Each run with a token: every request it made was let in, whichever of the two user kinds its 4 users drew (on a
+    # loaded machine all four can draw the streaming user and still be streaming when the 3 s end, so a run may
+    # record no submit, or no stream); the run without one shows both routes refused.
     assert by_env.returncode == 0, by_env.stdout + by_env.stderr
-    for name in ("/api/v1/agent/submit", "/api/v1/agent/run (SSE)"):
-        assert int(env_stats[name]["Request Count"]) > 0 and int(env_stats[name]["Failure Count"]) == 0, \
-            env_stats[name]
-
+    assert int(env_stats["Aggregated"]["Request Count"]) > 0, env_stats
+    assert int(env_stats["Aggregated"]["Failure Count"]) == 0, env_stats
     assert by_file.returncode == 0, by_file.stdout + by_file.stderr  # the file wins over the variable
-    assert int(file_stats["/api/v1/agent/submit"]["Failure Count"]) == 0
+    assert int(file_stats["Aggregated"]["Request Count"]) > 0, file_stats
+    assert int(file_stats["Aggregated"]["Failure Count"]) == 0, file_stats
 
 
 def test_an_unreadable_token_file_stops_the_run_before_it_starts(tmp_path):
