@@ -503,6 +503,69 @@ async def test_a_stream_still_running_when_the_drain_ends_gets_an_error_naming_t
     assert error["code"] == "UNAVAILABLE" and error["message"] == refused.value.details(), error
 
 
+async def test_a_stream_that_began_while_the_drain_began_gets_the_whole_grace():
+    """A RunTask still validating at SIGTERM (here: waiting for the dispatcher's model info) starts its task
+    after the drain began. It was ended UNAVAILABLE, 'still running after server.shutdown_grace_s = 30 s of
+    draining', the moment the streams running at SIGTERM had finished (a live stack under load: 65 ms after
+    SIGTERM); it finishes within the grace as they do."""
+    class Gated(Downstream):
+        def __init__(self) -> None:
+            super().__init__()
+            self.describing = asyncio.Event()  # the first DescribeModel arrived
+            self.describe_gate = asyncio.Event()  # the first DescribeModel answers once set
+            self.gates = {"first": asyncio.Event(), "second": asyncio.Event()}  # each task's Generate, by agent_id
+
+        async def DescribeModel(self, request, context):  # noqa: N802 - gRPC method name
+            if not self.describing.is_set():
+                self.describing.set()
+                await self.describe_gate.wait()
+            return await super().DescribeModel(request, context)
+
+        async def Generate(self, request, context):  # noqa: N802 - gRPC method name
+            self.requests.append(request)
+            await self.gates[request.agent_id].wait()
+            yield agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text="done", index=0))
+            yield agent_pb2.GenerateChunk(done=agent_pb2.GenerateDone(
+                usage=agent_pb2.TokenUsage(prompt_tokens=10, completion_tokens=1, total_tokens=11)))
+
+    async def run(stub, agent_id: str) -> list[str]:
+        return [e.WhichOneof("event") async for e in stub.RunTask(agent_pb2.RunTaskRequest(
+            payload="hello", task_type="chat", agent_id=agent_id))]
+
+    async def until(condition) -> None:
+        while not condition():
+            await asyncio.sleep(0.01)
+
+    base = load_config("config", service="orchestrator")
+    down = Gated()
+    async with running([down], base.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        with orchestrator_config(addr, addr, base) as cfg:
+            orch = OrchestratorService(cfg)
+            srv = await start_server([orch], "127.0.0.1", 0, cfg.server)
+            channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            try:
+                second = asyncio.create_task(run(stub, "second"))  # validating: its model info does not come
+                await until(down.describing.is_set)
+                first = asyncio.create_task(run(stub, "first"))  # asks model info too, answered: running
+                await until(lambda: len(down.requests) == 1)
+                stopping = asyncio.create_task(srv.stop(30))
+                await until(lambda: orch.not_ready() is not None and "draining" in orch.not_ready())
+                await asyncio.sleep(0.05)  # the drain's wait has begun, on the stream running now
+                down.describe_gate.set()
+                await until(lambda: len(down.requests) == 2)  # the second task started after the drain began
+                down.gates["first"].set()
+                assert (await first)[-1] == "final"
+                down.gates["second"].set()
+                assert (await second)[-1] == "final"
+                await stopping
+            finally:
+                for gate in (down.describe_gate, *down.gates.values()):
+                    gate.set()
+                await channel.close()
+
+
 async def test_agent_and_priority_headers_fill_what_the_body_leaves_out_and_the_body_wins():
     async with http_stack() as (client, stub, down):
         headers = {"X-Agent-Id": "agent-from-header", "X-Priority": "batch"}

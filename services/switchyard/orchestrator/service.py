@@ -318,9 +318,16 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """The drain's end: RunTask streams still running ``after_s`` seconds (``server.shutdown_grace_s``) after
         SIGTERM are ended UNAVAILABLE naming the stop, on both faces (an ``error`` event on the HTTP face's). The
         gRPC server's own cancel, which came next, read 'Cancelling all calls', and cut an SSE stream with no event
-        and its chunked body unterminated."""
-        if self._streams:
-            await asyncio.wait(set(self._streams), timeout=after_s)
+        and its chunked body unterminated.
+
+        The grace covers every stream the server let in, those that began after SIGTERM included: a RunTask
+        still validating when the drain began (the dispatcher's model info, the question's token count) starts
+        its task later, and was ended at once, with the grace unspent, once the streams running at SIGTERM had
+        finished."""
+        clock = asyncio.get_running_loop().time
+        deadline = clock() + after_s
+        while self._streams and (left := deadline - clock()) > 0:
+            await asyncio.wait(set(self._streams), timeout=left)
         error = SwitchyardError(
             f"orchestrator is stopping: the task was still running after server.shutdown_grace_s = {after_s:g} s "
             "of draining and was ended; run it again (on another replica, or once this one is back)",
