@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from switchyard.common.config import FILES, load_config
+from switchyard.launcher import stop_bound
 
 pytestmark = pytest.mark.no_gpu
 
@@ -418,6 +419,22 @@ def test_every_container_is_guaranteed_with_whole_cpus(checkout, overlay):
         assert resources["requests"] == resources["limits"], f"{where}: requests != limits"
         assert {"cpu", "memory"} <= set(resources["limits"]), where
         assert re.fullmatch(r"[1-9]\d*", str(resources["limits"]["cpu"])), f"{where}: cpu must be whole CPUs"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_service_pod_has_time_for_its_whole_stop(checkout, overlay):
+    """The kubelet kills a pod terminationGracePeriodSeconds after SIGTERM. A service's stop takes up to
+    launcher.stop_bound (what `switchyard up` waits before it kills one): the orchestrator's is two waits of
+    server.shutdown_grace_s (its streams drain, then its submitted tasks finish or are recorded FAILED) and a
+    margin, 31 s with the shipped 10 s, which the 30 s it had cut short: its tasks were left to the orphan rule."""
+    objs = kustomize(checkout / overlay)
+    for name in SERVICES:
+        grace = load_config(ROOT / "config", service=name).server.shutdown_grace_s
+        pod = _get(objs, "Deployment", name)["spec"]["template"]["spec"]
+        bound = stop_bound(name, grace)
+        assert pod["terminationGracePeriodSeconds"] >= bound, (
+            f"{overlay}: {name}'s terminationGracePeriodSeconds {pod['terminationGracePeriodSeconds']} is less "
+            f"than its stop's bound, {bound:g} s (launcher.stop_bound, server.shutdown_grace_s = {grace:g} s)")
 
 
 def _pods(objs: list[dict]):
