@@ -185,7 +185,9 @@ PARKED_EVICTED = Counter(
 COMPUTE_SCORE = Gauge(
     "switchyard_compute_score",
     "GPU compute score on a 0-100 scale (not a ratio: the scale of scheduler_config.json's thresholds): "
-    "weighted sum of NVML GPU, memory-bandwidth and estimated tensor utilisation in percent.",
+    "weighted sum of NVML GPU, memory-bandwidth and estimated tensor utilisation in percent; without NVML "
+    "(switchyard_gpu_available 0) the same sum of the engine's own readings (scheduler_config.json "
+    "score_without_nvml: its modelled activity, or its busy ratio alone).",
 )
 GPU_UTILIZATION = Gauge("switchyard_gpu_utilization_ratio", "NVML GPU utilisation (share of time a kernel ran), 0-1; "
                         "NaN while NVML reads no GPU (switchyard_gpu_available 0).")
@@ -195,7 +197,8 @@ GPU_MEMORY_UTILIZATION = Gauge(
 )
 GPU_AVAILABLE = Gauge(
     "switchyard_gpu_available",
-    "1 when NVML reads the GPU; 0 when the compute score falls back to the engine busy ratio.",
+    "1 when NVML reads the GPU; 0 when the compute score comes from the engine instead (score_without_nvml: "
+    "its modelled activity, the sim engine's default, or its busy ratio).",
 )
 EXPECTED_SCORE = Gauge(
     "switchyard_expected_compute_score",
