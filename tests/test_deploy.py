@@ -431,10 +431,22 @@ def test_every_service_pod_has_time_for_its_whole_stop(checkout, overlay):
     for name in SERVICES:
         grace = load_config(ROOT / "config", service=name).server.shutdown_grace_s
         pod = _get(objs, "Deployment", name)["spec"]["template"]["spec"]
-        bound = stop_bound(name, grace)
-        assert pod["terminationGracePeriodSeconds"] >= bound, (
+        pre_stop = _container(objs, name, "server").get("lifecycle", {}).get("preStop", {})
+        bound = pre_stop.get("sleep", {}).get("seconds", 0) + stop_bound(name, grace)  # the kubelet's clock runs
+        assert pod["terminationGracePeriodSeconds"] >= bound, (  # from the preStop hook's start
             f"{overlay}: {name}'s terminationGracePeriodSeconds {pod['terminationGracePeriodSeconds']} is less "
-            f"than its stop's bound, {bound:g} s (launcher.stop_bound, server.shutdown_grace_s = {grace:g} s)")
+            f"than its preStop sleep and its stop's bound, {bound:g} s (launcher.stop_bound, "
+            f"server.shutdown_grace_s = {grace:g} s)")
+
+
+def test_the_front_door_serves_on_while_it_leaves_the_service(base):
+    """The orchestrator's ClusterIP Service is every client's way in. SIGTERM reaches the pod as it leaves the
+    endpoints, and kube-proxy and load balancers keep sending new connections to it for a moment after; the
+    draining server refuses them at once (UNAVAILABLE, connection refused). A preStop sleep keeps it serving
+    until they have caught up, as the Kubernetes docs on pod termination advise."""
+    assert _get(base, "Service", "orchestrator")["spec"].get("clusterIP") != "None"
+    hook = _container(base, "orchestrator", "server")["lifecycle"]["preStop"]
+    assert hook["sleep"]["seconds"] >= 5, hook
 
 
 def _pods(objs: list[dict]):
