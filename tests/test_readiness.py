@@ -16,6 +16,7 @@ import sys
 from typing import AsyncIterator
 
 import grpc
+import httpx
 import pytest
 from prometheus_client import REGISTRY
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,6 +27,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.server import running, start_server
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.launcher import free_port, healthy
+from switchyard.orchestrator.http_face import HttpFace
 from switchyard.orchestrator.readiness import address_count
 from switchyard.orchestrator.service import OrchestratorService
 from test_orchestrator import Downstream
@@ -152,11 +154,18 @@ async def test_a_dispatcher_back_with_another_model_is_asked_again_what_it_serve
             await second.stop(0)
 
 
+def serving(service: str) -> float | None:
+    return REGISTRY.get_sample_value("switchyard_serving", {"service": service})
+
+
 async def test_default_workflow_needing_retrieval_keeps_the_service_not_serving():
+    """switchyard_serving tells what the readiness probes read: the orchestrator's gRPC health name, and its HTTP
+    face's /readyz (orchestrator-http read 1 from start-up to the drain while /readyz answered 503)."""
     dispatcher_cfg = SwitchyardConfig()
     async with running([DispatcherService(dispatcher_cfg)], dispatcher_cfg.server) as disp:
         cfg = orchestrator_config(f"127.0.0.1:{disp.port}", **{"orchestrator.default_task_type": "rag_answer"})
-        async with running([OrchestratorService(cfg)], cfg.server) as orch:
+        orchestrator = OrchestratorService(cfg)
+        async with running([orchestrator, HttpFace(orchestrator, cfg, port=0)], cfg.server) as orch:
             readiness = orch.services[0].readiness
             await readiness.check_once()
             assert readiness.ready == {"dispatcher": True, "retrieval": False}
@@ -164,12 +173,23 @@ async def test_default_workflow_needing_retrieval_keeps_the_service_not_serving(
                 assert await check(channel, "workflow.chat") == SERVING
                 assert await check(channel, "agent.AgentService") == NOT_SERVING
             # switchyard_serving tells what the readiness probe reads (it was never 1 for the orchestrator)
-            assert REGISTRY.get_sample_value("switchyard_serving", {"service": "orchestrator"}) == 0
+            assert serving("orchestrator") == 0
+            face = orch.services[1]
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}") as client:
+                assert (await client.get("/readyz")).status_code == 503
+            assert serving("orchestrator-http") == 0
     async with running([DispatcherService(dispatcher_cfg)], dispatcher_cfg.server) as disp:
         cfg = orchestrator_config(f"127.0.0.1:{disp.port}", **{"orchestrator.default_task_type": "chat"})
-        async with running([OrchestratorService(cfg)], cfg.server) as orch:
+        orchestrator = OrchestratorService(cfg)
+        async with running([orchestrator, HttpFace(orchestrator, cfg, port=0)], cfg.server) as orch:
             await orch.services[0].readiness.check_once()
-            assert REGISTRY.get_sample_value("switchyard_serving", {"service": "orchestrator"}) == 1
+            assert serving("orchestrator") == 1
+            face = orch.services[1]
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}") as client:
+                assert (await client.get("/readyz")).status_code == 200
+            assert serving("orchestrator-http") == 1
+            await orch.services[0].begin_drain()  # the drain's first step (RunningServer.stop), ahead of the rest
+            assert serving("orchestrator-http") == 0
 
 
 async def dispatcher_process() -> tuple[subprocess.Popen, int]:

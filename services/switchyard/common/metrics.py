@@ -61,7 +61,9 @@ QUEUE_CAPACITY = Gauge(
 )
 SERVING = Gauge(
     "switchyard_serving",
-    "1 while the service's gRPC health check answers SERVING (ready), 0 while it drains; by service name.",
+    "1 while the service's gRPC health check answers SERVING (ready), 0 while it does not (a service it needs "
+    "is down, or it is starting) and while it drains; by service name (orchestrator-http: the orchestrator's HTTP "
+    "face, as its /readyz answers).",
     ["service"],
 )
 

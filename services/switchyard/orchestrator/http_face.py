@@ -78,7 +78,8 @@ from switchyard.api import agent_pb2
 from switchyard.common import http_telemetry, telemetry
 from switchyard.common.config import SwitchyardConfig, TlsConfig
 from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, InvalidArgument, hop_of, status_for
-from switchyard.common.server import GRPC_SERVICES, Drains
+from switchyard.common.metrics import SERVING
+from switchyard.common.server import GRPC_SERVICES, Drains, HealthOwner
 from switchyard.common.tasks import settle
 from switchyard.common.untrusted import duplicate_key, shown
 from switchyard.orchestrator.http_models import (CORS_REQUEST_HEADERS, EXPECTED, INT32_MAX, INT32_MIN,
@@ -535,7 +536,7 @@ async def _vary_on_origin(request: web.Request, response: web.StreamResponse) ->
         response.headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
 
 
-class HttpFace(Drains):
+class HttpFace(Drains, HealthOwner):
     """The HTTP face of ``service``, run by the server bootstrap beside its gRPC server (a Service:
     started after it, drained and stopped before it).
 
@@ -632,6 +633,13 @@ class HttpFace(Drains):
         self.port = server.sockets[0].getsockname()[1]
         scheme = "https" if self.config.server.tls.enabled else "http"
         log.info("orchestrator: HTTP face on %s://%s:%d (OpenAPI at /openapi.json)", scheme, host, self.port)
+
+    async def watch_health(self, health: Any) -> None:
+        """``switchyard_serving{service="orchestrator-http"}`` says what ``/readyz`` answers, read at each scrape:
+        1 while the orchestrator takes tasks of its default type, 0 while it does not (a service it needs down,
+        not checked yet) or drains. It read 1 from start-up to the drain whatever the orchestrator's readiness,
+        so the dashboard's ready replicas counted a face whose ``/readyz`` answered 503. No gRPC names of its own."""
+        SERVING.labels(self.name).set_function(lambda: 0.0 if self.service.not_ready() is not None else 1.0)
 
     async def begin_drain(self) -> None:
         """Stop accepting connections; requests in flight go on until :meth:`stop`."""
