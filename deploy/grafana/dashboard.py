@@ -195,7 +195,8 @@ def rows() -> list[tuple[str, list]]:
                 [("histogram_quantile(0.99, sum by (service, le) ("
                   + _per_service(f"rate(switchyard_event_loop_lag_seconds_bucket{{{SEL}}}[{RATE}])") + "))",
                   "{{service}}")], width=8),
-        _series("Ready replicas", "Replicas whose gRPC health check answers SERVING, per service; "
+        _series("Ready replicas", "Replicas whose gRPC health check answers SERVING, per service "
+                "(orchestrator-http: whose /readyz answers 200); "
                 "SwitchyardDispatcherNoReadyReplica fires at 0 dispatchers.", "short",
                 [(f"sum by (service) (switchyard_serving{{{SEL}}})", "{{service}}")], width=8),
     ]
