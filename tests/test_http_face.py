@@ -503,17 +503,18 @@ async def test_a_stream_still_running_when_the_drain_ends_gets_an_error_naming_t
     assert error["code"] == "UNAVAILABLE" and error["message"] == refused.value.details(), error
 
 
-async def test_a_stream_that_began_while_the_drain_began_gets_the_whole_grace():
-    """A RunTask still validating at SIGTERM (here: waiting for the dispatcher's model info) starts its task
-    after the drain began. It was ended UNAVAILABLE, 'still running after server.shutdown_grace_s = 30 s of
-    draining', the moment the streams running at SIGTERM had finished (a live stack under load: 65 ms after
-    SIGTERM); it finishes within the grace as they do."""
+async def test_a_task_asked_for_once_the_drain_began_is_refused_naming_it_and_the_running_ones_finish():
+    """From SIGTERM on, no new task: a RunTask still validating at SIGTERM (here: waiting for the dispatcher's model
+    info) started its task after the drain began, and was ended UNAVAILABLE, 'still running after
+    server.shutdown_grace_s = 30 s of draining', the moment the streams running at SIGTERM had finished (a live
+    stack under load: 65 ms after SIGTERM). It is refused before accepted now, naming the drain, so its caller
+    may send it again elsewhere; the task running at SIGTERM finishes within the grace, its stream whole."""
     class Gated(Downstream):
         def __init__(self) -> None:
             super().__init__()
             self.describing = asyncio.Event()  # the first DescribeModel arrived
             self.describe_gate = asyncio.Event()  # the first DescribeModel answers once set
-            self.gates = {"first": asyncio.Event(), "second": asyncio.Event()}  # each task's Generate, by agent_id
+            self.gates = {"first": asyncio.Event()}  # each task's Generate, by agent_id
 
         async def DescribeModel(self, request, context):  # noqa: N802 - gRPC method name
             if not self.describing.is_set():
@@ -552,18 +553,54 @@ async def test_a_stream_that_began_while_the_drain_began_gets_the_whole_grace():
                 await until(lambda: len(down.requests) == 1)
                 stopping = asyncio.create_task(srv.stop(30))
                 await until(lambda: orch.not_ready() is not None and "draining" in orch.not_ready())
-                await asyncio.sleep(0.05)  # the drain's wait has begun, on the stream running now
                 down.describe_gate.set()
-                await until(lambda: len(down.requests) == 2)  # the second task started after the drain began
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await second
                 down.gates["first"].set()
                 assert (await first)[-1] == "final"
-                down.gates["second"].set()
-                assert (await second)[-1] == "final"
                 await stopping
             finally:
-                for gate in (down.describe_gate, *down.gates.values()):
-                    gate.set()
+                down.describe_gate.set()
+                down.gates["first"].set()
                 await channel.close()
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "orchestrator is draining (SIGTERM)" in refused.value.details(), refused.value.details()
+    assert len(down.requests) == 1  # the refused task never reached the dispatcher
+
+
+async def test_the_http_face_takes_no_new_task_on_a_kept_alive_connection_once_the_drain_began():
+    """The HTTP face's listener closes at SIGTERM, its keep-alive connections stay open while streams drain: a
+    /run or /submit sent on one was run (a submit queued, to be recorded FAILED at the stop) while /readyz on the
+    same connection said to send to another replica. Now 503 naming the drain; the stream running finishes."""
+    base = load_config("config", service="orchestrator")
+    down = Downstream()
+    down.gate = asyncio.Event()  # the stream running at SIGTERM holds the drain open
+    async with running([down], base.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        with orchestrator_config(addr, addr, base) as cfg:
+            orch = OrchestratorService(cfg)
+            face = HttpFace(orch, cfg, port=0)
+            srv = await start_server([orch, face], "127.0.0.1", 0, cfg.server)
+            try:
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as kept, \
+                        httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as other:
+                    assert (await kept.get("/readyz")).status_code == 200  # the connection kept alive
+                    running_stream = asyncio.create_task(sse_events(other, {**FIELD_BODY, "task_type": "chat"}))
+                    while len(down.requests) < 1:  # its task is in Generate
+                        await asyncio.sleep(0.01)
+                    stopping = asyncio.create_task(srv.stop(30))
+                    while (await kept.get("/readyz")).status_code != 503:
+                        await asyncio.sleep(0.01)
+                    for route in ("/api/v1/agent/run", "/api/v1/agent/submit"):
+                        answer = await kept.post(route, json={**FIELD_BODY, "task_type": "chat"})
+                        assert answer.status_code == 503, (route, answer.text)
+                        assert "orchestrator is draining (SIGTERM)" in answer.json()["error"]["message"]
+                    assert len(down.requests) == 1  # neither reached the dispatcher
+                    down.gate.set()
+                    assert (await running_stream)[-1][0] == "final"
+                    await stopping
+            finally:
+                down.gate.set()
 
 
 async def test_agent_and_priority_headers_fill_what_the_body_leaves_out_and_the_body_wins():

@@ -311,19 +311,30 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
     async def begin_drain(self) -> None:
         """SIGTERM: ``switchyard_serving`` stays at the 0 the server set (readiness may still find the downstream
-        services ready while the calls in flight drain)."""
+        services ready while the calls in flight drain), and no new task is taken (:meth:`_refuse_new_work`)."""
         self._draining = True
+
+    def _refuse_new_work(self) -> None:
+        """Refuse a new task (RunTask, SubmitTask) once the drain began: the gRPC server refuses new calls itself,
+        but a call still being validated at SIGTERM, and a request on one of the HTTP face's keep-alive
+        connections (its listener closes, its connections stay open through the drain), reached here, and were
+        run (or queued, to be recorded FAILED at the stop) while ``/readyz`` said to send to another replica.
+
+        Raises:
+            SwitchyardError: UNAVAILABLE naming the drain (HTTP 503): nothing was accepted, so it may be sent
+                again, to another replica.
+        """
+        if self._draining:
+            raise SwitchyardError("orchestrator is draining (SIGTERM) and takes no new task; send it to another "
+                                  "replica, or again once this one is back", grpc.StatusCode.UNAVAILABLE)
 
     async def end_streams(self, after_s: float) -> None:
         """The drain's end: RunTask streams still running ``after_s`` seconds (``server.shutdown_grace_s``) after
         SIGTERM are ended UNAVAILABLE naming the stop, on both faces (an ``error`` event on the HTTP face's). The
         gRPC server's own cancel, which came next, read 'Cancelling all calls', and cut an SSE stream with no event
-        and its chunked body unterminated.
-
-        The grace covers every stream the server let in, those that began after SIGTERM included: a RunTask
-        still validating when the drain began (the dispatcher's model info, the question's token count) starts
-        its task later, and was ended at once, with the grace unspent, once the streams running at SIGTERM had
-        finished."""
+        and its chunked body unterminated. The grace is waited out on every stream left, not on those running
+        when it began only (a stream let in after that was ended at once, the grace unspent, once those had
+        finished)."""
         clock = asyncio.get_running_loop().time
         deadline = clock() + after_s
         while self._streams and (left := deadline - clock()) > 0:
@@ -547,6 +558,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             apply_edge_headers(request, context.invocation_metadata(), self.config.limits.max_id_chars)
             tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
             spec = await self._validate(request, tenant)
+            self._refuse_new_work()
             self._check_ready(spec.workflow)
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
@@ -605,6 +617,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             apply_edge_headers(request, context.invocation_metadata(), self.config.limits.max_id_chars)
             tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
             spec = await self._validate(request, tenant)
+            self._refuse_new_work()
             self._record_metadata(request.metadata)  # a task's, as RunTask records it: not a refused request's
             limit = self.config.orchestrator.max_unfinished_submitted_tasks
             if len(self._submitted) >= limit and not request.task_id:  # a task_id may name a task already recorded:
