@@ -462,39 +462,46 @@ async def test_a_stream_that_fails_after_accepted_ends_with_an_error_event():
         down.gate.set()
 
 
-async def test_a_stream_still_running_when_the_drain_ends_gets_an_error_naming_the_stop_on_both_faces():
-    """SIGTERM lets streams finish within server.shutdown_grace_s; one still running then is ended UNAVAILABLE
-    naming the stop, over gRPC and as an SSE ``error`` event. gRPC's own cancel read 'Cancelling all calls', and
-    the SSE stream was cut with no event (its chunked body unterminated)."""
+@contextlib.asynccontextmanager
+async def stack_to_stop(down: Downstream, http: bool = True):
+    """(config, orchestrator, its HTTP face or None, their server) on port 0 in front of ``down``, for the drain
+    tests, which stop the server themselves (``srv.stop``)."""
     base = load_config("config", service="orchestrator")
-    down = Downstream()
-    down.gate = asyncio.Event()  # Generate never answers: both tasks are inside infer when the drain ends
     async with running([down], base.server) as downstream:
         addr = f"127.0.0.1:{downstream.port}"
         with orchestrator_config(addr, addr, base) as cfg:
             orch = OrchestratorService(cfg)
-            face = HttpFace(orch, cfg, port=0)
-            srv = await start_server([orch, face], "127.0.0.1", 0, cfg.server)
-            channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
-            try:
-                call = agent_pb2_grpc.AgentServiceStub(channel).RunTask(agent_pb2.RunTaskRequest(
-                    payload="What is with?", task_type="chat", agent_id="drain-grpc"))
-                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
-                    async with aconnect_sse(client, "POST", "/api/v1/agent/run",
-                                            json={**FIELD_BODY, "task_type": "chat"}) as source:
-                        events = source.aiter_sse()
-                        assert (await anext(events)).event == "accepted"
-                        while len(down.requests) < 2:
-                            await asyncio.sleep(0.01)
-                        stopping = asyncio.create_task(srv.stop(0.2))
-                        rest = [(e.event, json.loads(e.data)) async for e in events]
-                    with pytest.raises(grpc.aio.AioRpcError) as refused:
-                        async for _ in call:
-                            pass
-                await stopping
-            finally:
-                await channel.close()
-                down.gate.set()
+            face = HttpFace(orch, cfg, port=0) if http else None
+            yield cfg, orch, face, await start_server([orch, face] if face else [orch], "127.0.0.1", 0, cfg.server)
+
+
+async def test_a_stream_still_running_when_the_drain_ends_gets_an_error_naming_the_stop_on_both_faces():
+    """SIGTERM lets streams finish within server.shutdown_grace_s; one still running then is ended UNAVAILABLE
+    naming the stop, over gRPC and as an SSE ``error`` event. gRPC's own cancel read 'Cancelling all calls', and
+    the SSE stream was cut with no event (its chunked body unterminated)."""
+    down = Downstream()
+    down.gate = asyncio.Event()  # Generate never answers: both tasks are inside infer when the drain ends
+    async with stack_to_stop(down) as (cfg, _orch, face, srv):
+        channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
+        try:
+            call = agent_pb2_grpc.AgentServiceStub(channel).RunTask(agent_pb2.RunTaskRequest(
+                payload="What is with?", task_type="chat", agent_id="drain-grpc"))
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
+                async with aconnect_sse(client, "POST", "/api/v1/agent/run",
+                                        json={**FIELD_BODY, "task_type": "chat"}) as source:
+                    events = source.aiter_sse()
+                    assert (await anext(events)).event == "accepted"
+                    while len(down.requests) < 2:
+                        await asyncio.sleep(0.01)
+                    stopping = asyncio.create_task(srv.stop(0.2))
+                    rest = [(e.event, json.loads(e.data)) async for e in events]
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    async for _ in call:
+                        pass
+            await stopping
+        finally:
+            await channel.close()
+            down.gate.set()
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "orchestrator is stopping" in refused.value.details(), refused.value.details()
     assert "server.shutdown_grace_s" in refused.value.details()
@@ -537,32 +544,27 @@ async def test_a_task_asked_for_once_the_drain_began_is_refused_naming_it_and_th
         while not condition():
             await asyncio.sleep(0.01)
 
-    base = load_config("config", service="orchestrator")
     down = Gated()
-    async with running([down], base.server) as downstream:
-        addr = f"127.0.0.1:{downstream.port}"
-        with orchestrator_config(addr, addr, base) as cfg:
-            orch = OrchestratorService(cfg)
-            srv = await start_server([orch], "127.0.0.1", 0, cfg.server)
-            channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
-            stub = agent_pb2_grpc.AgentServiceStub(channel)
-            try:
-                second = asyncio.create_task(run(stub, "second"))  # validating: its model info does not come
-                await until(down.describing.is_set)
-                first = asyncio.create_task(run(stub, "first"))  # asks model info too, answered: running
-                await until(lambda: len(down.requests) == 1)
-                stopping = asyncio.create_task(srv.stop(30))
-                await until(lambda: orch.not_ready() is not None and "draining" in orch.not_ready())
-                down.describe_gate.set()
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await second
-                down.gates["first"].set()
-                assert (await first)[-1] == "final"
-                await stopping
-            finally:
-                down.describe_gate.set()
-                down.gates["first"].set()
-                await channel.close()
+    async with stack_to_stop(down, http=False) as (cfg, orch, _face, srv):
+        channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        try:
+            second = asyncio.create_task(run(stub, "second"))  # validating: its model info does not come
+            await until(down.describing.is_set)
+            first = asyncio.create_task(run(stub, "first"))  # asks model info too, answered: running
+            await until(lambda: len(down.requests) == 1)
+            stopping = asyncio.create_task(srv.stop(30))
+            await until(lambda: orch.not_ready() is not None and "draining" in orch.not_ready())
+            down.describe_gate.set()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await second
+            down.gates["first"].set()
+            assert (await first)[-1] == "final"
+            await stopping
+        finally:
+            down.describe_gate.set()
+            down.gates["first"].set()
+            await channel.close()
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "orchestrator is draining (SIGTERM)" in refused.value.details(), refused.value.details()
     assert len(down.requests) == 1  # the refused task never reached the dispatcher
@@ -572,35 +574,29 @@ async def test_the_http_face_takes_no_new_task_on_a_kept_alive_connection_once_t
     """The HTTP face's listener closes at SIGTERM, its keep-alive connections stay open while streams drain: a
     /run or /submit sent on one was run (a submit queued, to be recorded FAILED at the stop) while /readyz on the
     same connection said to send to another replica. Now 503 naming the drain; the stream running finishes."""
-    base = load_config("config", service="orchestrator")
     down = Downstream()
     down.gate = asyncio.Event()  # the stream running at SIGTERM holds the drain open
-    async with running([down], base.server) as downstream:
-        addr = f"127.0.0.1:{downstream.port}"
-        with orchestrator_config(addr, addr, base) as cfg:
-            orch = OrchestratorService(cfg)
-            face = HttpFace(orch, cfg, port=0)
-            srv = await start_server([orch, face], "127.0.0.1", 0, cfg.server)
-            try:
-                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as kept, \
-                        httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as other:
-                    assert (await kept.get("/readyz")).status_code == 200  # the connection kept alive
-                    running_stream = asyncio.create_task(sse_events(other, {**FIELD_BODY, "task_type": "chat"}))
-                    while len(down.requests) < 1:  # its task is in Generate
-                        await asyncio.sleep(0.01)
-                    stopping = asyncio.create_task(srv.stop(30))
-                    while (await kept.get("/readyz")).status_code != 503:
-                        await asyncio.sleep(0.01)
-                    for route in ("/api/v1/agent/run", "/api/v1/agent/submit"):
-                        answer = await kept.post(route, json={**FIELD_BODY, "task_type": "chat"})
-                        assert answer.status_code == 503, (route, answer.text)
-                        assert "orchestrator is draining (SIGTERM)" in answer.json()["error"]["message"]
-                    assert len(down.requests) == 1  # neither reached the dispatcher
-                    down.gate.set()
-                    assert (await running_stream)[-1][0] == "final"
-                    await stopping
-            finally:
+    async with stack_to_stop(down) as (_cfg, _orch, face, srv):
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as kept, \
+                    httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as other:
+                assert (await kept.get("/readyz")).status_code == 200  # the connection kept alive
+                running_stream = asyncio.create_task(sse_events(other, {**FIELD_BODY, "task_type": "chat"}))
+                while len(down.requests) < 1:  # its task is in Generate
+                    await asyncio.sleep(0.01)
+                stopping = asyncio.create_task(srv.stop(30))
+                while (await kept.get("/readyz")).status_code != 503:
+                    await asyncio.sleep(0.01)
+                for route in ("/api/v1/agent/run", "/api/v1/agent/submit"):
+                    answer = await kept.post(route, json={**FIELD_BODY, "task_type": "chat"})
+                    assert answer.status_code == 503, (route, answer.text)
+                    assert "orchestrator is draining (SIGTERM)" in answer.json()["error"]["message"]
+                assert len(down.requests) == 1  # neither reached the dispatcher
                 down.gate.set()
+                assert (await running_stream)[-1][0] == "final"
+                await stopping
+        finally:
+            down.gate.set()
 
 
 async def test_agent_and_priority_headers_fill_what_the_body_leaves_out_and_the_body_wins():
