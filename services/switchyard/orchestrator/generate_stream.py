@@ -360,15 +360,14 @@ class _Stream:
 
 async def _counted(answer: asyncio.Future[agent_pb2.GenerateDone | None],
                    on_consumed: Callable[[agent_pb2.GenerateDone], None]) -> None:
-    """Hand the answer to a cancel to ``on_consumed`` once it comes, within :data:`CANCEL_ANSWER_WAIT_S` (the
-    stream answers None by then, :meth:`_Stream._unanswered`). A cancellation of the caller meanwhile (its task's
+    """Hand the answer to a cancel to ``on_consumed`` once it comes. The stream settles ``answer`` within
+    :data:`CANCEL_ANSWER_WAIT_S` (None by then: :meth:`_Stream._unanswered`, armed with the cancel; at once when the
+    stream breaks), so that clock is the one bound of this wait. A cancellation of the caller meanwhile (its task's
     time limit, a second cancel) waits for it too, and is raised after: a step's usage is not lost to it."""
-    loop = asyncio.get_running_loop()
-    until = loop.time() + CANCEL_ANSWER_WAIT_S
     cancelled: asyncio.CancelledError | None = None
-    while not answer.done() and (left := until - loop.time()) > 0:
+    while not answer.done():
         try:
-            await asyncio.wait((answer,), timeout=left)
+            await asyncio.wait((answer,))  # not ``await answer``: a cancellation here must not cancel the answer
         except asyncio.CancelledError as exc:
             cancelled = exc
     done = answer.result() if answer.done() and not answer.cancelled() else None
