@@ -525,17 +525,17 @@ class SchedulerCore(KvMemory):
         """Make ``req`` fit while a step is in flight by preempting the fewest of the policy's victims; True
         when it now fits (the victims are ``preempting``), False (nothing changed) when they cannot make it fit.
 
-        Each victim's reservation is freed; its live KV (``kv.kv_bytes``, kept as ``req.kv_leaving_bytes``) stays held until the step in
+        Each victim's reservation is freed; its live KV (:meth:`_kv_bytes`, a prefill's step allocation included; kept as ``req.kv_leaving_bytes``) stays held until the step in
         flight ends (:meth:`_end_preemptions`), so a victim adds only its reserved-but-unused bytes now.
         """
         budget = self.kv_budget
         chosen = self._fewest_victims(req, self._victim_candidates(req, out),
-                                      lambda victim: victim.kv_reserved_bytes - self.kv.kv_bytes(victim)
+                                      lambda victim: victim.kv_reserved_bytes - self._kv_bytes(victim)
                                       if budget is not None else 0)
         if chosen is None:
             return False
         for victim in chosen:
-            held = self.kv.kv_bytes(victim)
+            held = self._kv_bytes(victim)
             self._stop(victim, now)
             victim.status = PREEMPTING
             self._leaving.append(victim)
@@ -1015,6 +1015,6 @@ class SchedulerCore(KvMemory):
         held = self._held_beside_running()
         allocated, live = held, held
         for req in self._running:
-            allocated += max(req.kv_reserved_bytes, self.kv.kv_bytes(req))
+            allocated += max(req.kv_reserved_bytes, self._kv_bytes(req))
             live += req.num_computed_tokens * per_token
         return max(0.0, 1.0 - live / allocated) if allocated else 0.0
