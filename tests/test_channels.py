@@ -24,8 +24,9 @@ from switchyard.launcher import healthy
 SLOW = "/test.Slow/Sleep"
 
 
-async def _health_server(status: health_pb2.HealthCheckResponse.ServingStatus) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server()
+async def _health_server(status: health_pb2.HealthCheckResponse.ServingStatus,
+                         port: int = 0) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     servicer = health.aio.HealthServicer()
     await servicer.set("", status)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -42,7 +43,7 @@ async def _health_server(status: health_pb2.HealthCheckResponse.ServingStatus) -
         "Sleep": grpc.unary_unary_rpc_method_handler(sleep),
         "SleepStream": grpc.unary_stream_rpc_method_handler(sleep_stream),
     })])
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server, port
 
@@ -71,6 +72,28 @@ async def test_internal_channels_never_use_the_http_proxy(refusing_proxy):
         assert refusing_proxy.requests == []
     finally:
         await server.stop(None)
+
+
+async def test_a_new_channel_reaches_a_server_on_an_address_another_channel_is_backing_off_from():
+    """A server went away and another now listens at its address (a restarted replica; in the suite, a port
+    given out again): a channel opened to it calls it at once, whatever an older channel to the gone server is
+    doing. grpc core shared one subchannel per address among a process's channels, its reconnect backoff too:
+    the new channel's calls failed UNAVAILABLE "connections to all backends failing ... Connection refused"
+    until the old channel's backoff ran out (an orchestrator's RunTask failed so in the suite)."""
+    gone, port = await _health_server(health_pb2.HealthCheckResponse.SERVING)
+    async with open_channel(f"127.0.0.1:{port}") as old:
+        await health_pb2_grpc.HealthStub(old).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        await gone.stop(None)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # the old channel's connection fails: it backs off
+            await health_pb2_grpc.HealthStub(old).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        server, _ = await _health_server(health_pb2.HealthCheckResponse.SERVING, port)
+        try:
+            async with open_channel(f"127.0.0.1:{port}") as new:
+                reply = await health_pb2_grpc.HealthStub(new).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await server.stop(None)
 
 
 async def test_multi_address_target_reaches_every_address(refusing_proxy):

@@ -88,6 +88,12 @@ def channel_options(config: ServerConfig | None = None) -> list[tuple[str, Any]]
         # that comes back (or a new pod behind the same address) gets calls
         # within 2 s, not after gRPC's default backoff of up to 120 s.
         ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+        # Each channel owns its connections. grpc core otherwise shares one subchannel per address among all
+        # the process's channels, backoff state included: after a server at an address went away, a channel
+        # opened to the server that listens there now (a restarted replica, a new pod given the old IP and
+        # port) failed its calls at once, UNAVAILABLE "connections to all backends failing ... Connection
+        # refused", until another channel's reconnect backoff to the old server ran out.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 
