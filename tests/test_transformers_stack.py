@@ -31,9 +31,10 @@ pytestmark = pytest.mark.slow
 
 @contextlib.asynccontextmanager
 async def stack(base_url: str, model: str, index_dir: Path | None = None, overrides: dict | None = None,
-                **gateway: object):
+                dispatchers: list | None = None, **gateway: object):
     """Dispatcher (openai engine on ``base_url``), retrieval (with ``index_dir``) and orchestrator, with the
-    config ``overrides`` given (``{"limits.default_context_window_tokens": 4096}``); yields a stub."""
+    config ``overrides`` given (``{"limits.default_context_window_tokens": 4096}``); yields a stub. The
+    DispatcherService is appended to ``dispatchers`` when given."""
     extra = overrides or {}
     from switchyard.common.server import running
     from switchyard.dispatcher.service import DispatcherService
@@ -47,7 +48,10 @@ async def stack(base_url: str, model: str, index_dir: Path | None = None, overri
     overrides.update(extra)
     cfg = load_config("config").with_overrides(**overrides)
     async with contextlib.AsyncExitStack() as stack:
-        disp = await stack.enter_async_context(running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server))
+        dispatcher = DispatcherService(cfg, engine=make_engine(cfg))
+        if dispatchers is not None:
+            dispatchers.append(dispatcher)
+        disp = await stack.enter_async_context(running([dispatcher], cfg.server))
         # CPU work on the event loop: a spawn pool costs seconds per stack, and no test here is of the executor
         orch_overrides = {"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}", "orchestrator.cpu_executor": "loop"}
         if index_dir is not None:
@@ -134,38 +138,49 @@ async def test_a_core_task_sent_after_waiting_batch_tasks_reaches_the_server_bef
     pinned to one stream) and orders what waits beyond it. A BATCH task holds the one stream; two BATCH tasks and
     then a CORE task wait in the dispatcher. When the slot frees, the CORE task goes to the server first, then the
     BATCH ones in their order: the server's log of requests that finished says so. Passed to the server at once,
-    as before admission at the limit, the server ran them in their order of arrival, the CORE one last."""
-    from prometheus_client import REGISTRY
+    as before admission at the limit, the server ran them in their order of arrival, the CORE one last.
 
+    What waits is read from the dispatcher's scheduler, not from ``switchyard_waiting_sequences``: that gauge is a
+    report the busy loop publishes at most every ``STATS_INTERVAL_S``, and one published as the holder arrived
+    counted it waiting until the next, after its admission; so c was sent before b had reached the dispatcher,
+    and the server saw d, c, b."""
     server = transformers_server
     limits = {"concurrency.max_limit": 1, "concurrency.initial_limit": 1}
-    async with stack(server.base_url, server.model, **limits) as stub:
+    dispatchers: list = []
+    async with stack(server.base_url, server.model, dispatchers=dispatchers, **limits) as stub:
+        scheduler = dispatchers[0].scheduler
+
+        def waiting() -> list[str]:  # buffered and queued, by arrival: the order each class is served in
+            return [req.request_id for req in sorted((*scheduler.queue, *scheduler.intake), key=lambda r: r.arrival)]
+
         holder = stub.RunTask(agent_pb2.RunTaskRequest(task_id="order-a", payload=WORDY, task_type="chat",
                                                        max_tokens=2000, priority=agent_pb2.BATCH))
         async for event in holder:
             if event.HasField("token"):
                 break
-        waiting = []
+        waits = []
         for task_id, priority in (("order-b", agent_pb2.BATCH), ("order-c", agent_pb2.BATCH),
                                   ("order-d", agent_pb2.CORE)):
-            waiting.append(asyncio.ensure_future(run(stub, task_id=task_id, payload=WORDY, task_type="chat",
-                                                     max_tokens=4, priority=priority)))
+            waits.append(asyncio.ensure_future(run(stub, task_id=task_id, payload=WORDY, task_type="chat",
+                                                   max_tokens=4, priority=priority)))
             for _ in range(3000):  # in the dispatcher's queue, in this order, while the holder streams on
-                if (REGISTRY.get_sample_value("switchyard_waiting_sequences") or 0) >= len(waiting):
+                if any(request_id.startswith(task_id) for request_id in waiting()):
                     break
                 await asyncio.sleep(0.01)
             else:
                 pytest.fail(f"{task_id} never waited in the dispatcher: {server.log_tail()}")
+        queued = waiting()
         holder.cancel()
-        for events in await asyncio.gather(*waiting):
+        for events in await asyncio.gather(*waits):
             answered(events, 4)
+    assert [request_id.split(":")[0] for request_id in queued] == ["order-b", "order-c", "order-d"], queued
     finished = re.compile(r"Request (order-\w):0 finished")
     for _ in range(200):  # the log line may trail the last chunk by a moment
         order = finished.findall(server.log_tail(200_000))
         if len(order) == 3:
             break
         await asyncio.sleep(0.05)
-    assert order == ["order-d", "order-b", "order-c"], server.log_tail()
+    assert order == ["order-d", "order-b", "order-c"], (queued, server.log_tail())
 
 
 async def test_a_task_cut_at_max_tokens_says_so(clean_proxy_env, transformers_server):
