@@ -18,6 +18,10 @@ checks, ``switchyard run``, the bench client and the tests. Each carries:
   :func:`switchyard.common.server.server_options`); clients ping no more often,
   so no server answers GOAWAY "too_many_pings" (gRFC A8, client-side keepalive).
 - **Message limits**: ``server.max_message_bytes`` both ways, as the servers.
+- **Its own connections** (``grpc.use_local_subchannel_pool``): grpc core
+  otherwise shares one connection per address among a process's channels,
+  and with it the reconnect backoff of a server that went away, so a channel
+  opened to whatever listens there now failed its calls at once.
 - **round_robin**: a target that resolves to several addresses (``dns:///`` of a
   Kubernetes headless Service, ``ipv4:127.0.0.1:5001,127.0.0.1:5002``) spreads
   calls over all of them instead of pinning every call to the first.
