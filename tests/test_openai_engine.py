@@ -512,16 +512,19 @@ async def test_without_the_servers_usage_the_completion_tokens_are_estimated_fro
     assert chunks[-1].done.usage.completion_tokens == expected > 0
 
 
-async def test_a_whole_answer_without_usage_counts_the_word_pieces_of_its_text(clean_proxy_env):
+@pytest.mark.parametrize("content_type", ["application/json", "text/event-stream"])
+async def test_a_whole_answer_without_usage_counts_the_word_pieces_of_its_text(clean_proxy_env, content_type):
     """An answer that came whole (a chat completion answering the stream request) is one piece of text: counted
-    one per piece, a 9-word answer without the server's usage read as 1 completion token."""
+    one per piece, a 9-word answer without the server's usage read as 1 completion token. Labelled
+    ``text/event-stream`` with no ``data:`` line (the label the stream request asked for), it failed UNAVAILABLE
+    as a stream cut after 0 chunks, and was sent again; the body decides, not its label."""
     from switchyard.dispatcher.request import word_pieces
     from test_upstream_streams import Recorded, replay_server
 
     text = "The with statement wraps a block in a context manager."
     body = {"id": "c", "object": "chat.completion", "model": "m",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
-    whole = Recorded("inline", {"status": "HTTP/1.1 200 OK", "content-type": "application/json", "framing": "close"},
+    whole = Recorded("inline", {"status": "HTTP/1.1 200 OK", "content-type": content_type, "framing": "close"},
                      json.dumps(body).encode())
     async with replay_server(whole) as (base, _):
         chunks = await generate_over_grpc(base, agent_pb2.GenerateRequest(request_id="whole:0", prompt=PROMPT, model="m"),

@@ -421,12 +421,16 @@ async def test_a_body_held_open_after_done_is_closed_with_its_connection_not_hel
     (b'{"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n',
      grpc.StatusCode.INTERNAL, "the body held no server-sent event but '{\"choices\": [{\"index\": 0, \"delta\": "
      "{\"content\": \"hi\"}, \"finish_reason\": \"stop\"}]}', then 'data: [DONE]'"),
-], ids=["json_error", "html", "json_error_then_done", "json_lines_then_done"])
+    (b'{"object": "list", "data": [{"id": "m", "object": "model"}]}', grpc.StatusCode.UNAVAILABLE,
+     "the body held no server-sent event but '{\"object\": \"list\", \"data\": [{\"id\": \"m\""),
+], ids=["json_error", "html", "json_error_then_done", "json_lines_then_done", "json_neither"])
 async def test_an_event_stream_holding_no_event_names_what_it_held(clean_proxy_env, body, code, says):
     """A 200 labelled text/event-stream whose body is a whole JSON error (no ``data:`` line) or a proxy's page read
     as a stream cut after 0 chunks: the server's words were lost, and a prompt too long was retried as a cut.
     The JSON error is the error it carries; other text is named. With a ``data: [DONE]`` after them, such lines
-    (chunks without ``data:``, a JSON error) ended an empty answer as a success: the answer was dropped."""
+    (chunks without ``data:``, a JSON error) ended an empty answer as a success: the answer was dropped. JSON
+    that is neither an error nor a chat completion (a model list: a misrouted path) is named too; a whole chat
+    completion under that label is the answer (whole_completion_event_stream_label.sse)."""
     recorded = Recorded("synthetic", {"status": "HTTP/1.1 200 OK", "content-type": "text/event-stream",
                                       "framing": "chunked"}, body)
     async with replay_server(recorded) as (base, seen):

@@ -32,7 +32,8 @@
   streamed yet.
 - A stream is finished by ``data: [DONE]`` or, without it, by a clean end after a
   ``finish_reason`` (:mod:`switchyard.gateway.decode`); a whole chat completion answering
-  the stream request (a server or proxy that ignores ``stream``) is a finished answer too.
+  the stream request (a server or proxy that ignores ``stream``), under any Content-Type, ``text/event-stream``
+  included, is a finished answer too: a body that does not open as events is read whole, whatever its label.
   Each ending is counted in ``switchyard_upstream_stream_endings_total``.
 """
 
@@ -153,6 +154,11 @@ def _end(decoder: StreamDecoder) -> list[StreamEvent]:
         raise
     UPSTREAM_STREAM_ENDINGS.labels(decoder.ending or "cut").inc()
     return events
+
+
+async def _one(body: bytes) -> AsyncIterator[bytes]:
+    """A body read whole, as the chunks of one."""
+    yield body
 
 
 async def _no_events() -> AsyncIterator[ServerSentEvent]:
@@ -935,28 +941,31 @@ class GatewayClient:
         decoder = StreamDecoder(model, url=url, key=call.key)
         try:
             content_type = response.headers.get("content-type", "")
-            chunks = response.aiter_bytes()
-            if "text/event-stream" not in content_type.lower():  # the body decides: a stream under another label
-                head, chunks = await opening(chunks)
-                if opens_as_events(head):
+            labelled = "text/event-stream" in content_type.lower()
+            head, chunks = await opening(response.aiter_bytes())  # the body decides, not its label
+            if opens_as_events(head):
+                if not labelled:  # a stream under another label
                     self._note_label(endpoint, content_type)
-                else:
-                    text = b"".join([chunk async for chunk in chunks]).decode("utf-8", "replace")  # head first
-                    if (answered := decoder.answered_error(text, response.headers)) is not None:
-                        raise answered
-                    if (whole := decoder.whole_answer(text)) is not None:
-                        UPSTREAM_STREAM_ENDINGS.labels(decoder.ending).inc()
-                        usage = decoder.usage
-                        self.pool.on_whole_answer(endpoint, usage.completion_tokens
-                                                  if usage and usage.completion_tokens
-                                                  else sum(estimated_tokens(e) for e in whole))
-                        return _OpenStream(response, _no_events(), decoder, whole, True, endpoint, counted=True)
+            else:  # read whole: a chat completion or a JSON error under any label, else what came is named
+                body_bytes = b"".join([chunk async for chunk in chunks])  # head first
+                text = body_bytes.decode("utf-8-sig", "replace")  # a leading byte order mark, as a stream's
+                if (answered := decoder.answered_error(text, response.headers)) is not None:
+                    raise answered
+                if (whole := decoder.whole_answer(text)) is not None:
+                    UPSTREAM_STREAM_ENDINGS.labels(decoder.ending).inc()
+                    usage = decoder.usage
+                    self.pool.on_whole_answer(endpoint, usage.completion_tokens
+                                              if usage and usage.completion_tokens
+                                              else sum(estimated_tokens(e) for e in whole))
+                    return _OpenStream(response, _no_events(), decoder, whole, True, endpoint, counted=True)
+                if not labelled:
                     decoder.failed = True  # a body that cannot be read: counted as the stream's error ending
                     raise StreamProtocolError(
                         f"asked {url} for a stream (stream=true) but it answered "
                         f"{content_type or 'no content-type'} that is neither a stream nor a chat completion: "
                         f"received {snippet(redact(text, call.key.value))}"
                     )
+                chunks = _one(body_bytes)  # labelled a stream: read as one, and what it held instead is named
             stray: list[str] = []  # what the body held that is no event (read while none came)
             events = iter_events(chunks, stray)
             first: list[StreamEvent] = []

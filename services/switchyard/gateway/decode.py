@@ -34,9 +34,11 @@ Shapes seen in the wild that are decoded too (each is a test case):
   usage-only chunk after it, or nowhere;
   an ``id`` that changes (TGI's usage chunk has ``id: ""``) and a ``model`` other than the
   requested one: neither is checked;
-- no stream at all but the whole chat completion (``choices[].message``), as ``application/json``: a server that
+- no stream at all but the whole chat completion (``choices[].message``), as ``application/json`` or under any
+  other label, ``text/event-stream`` included (no ``data:`` line: the body decides, not its label): a server that
   ignores ``stream`` for some requests, or a caching proxy (:meth:`StreamDecoder.whole_answer`, ending
-  ``whole_answer``);
+  ``whole_answer``); or that whole completion as the one ``data:`` event of a stream (its choice's ``message``
+  read where a chunk has ``delta``; read as an empty delta, the answer was dropped and an empty one finished);
 - an error inside a 200 stream as an object with ``error`` (vLLM, OpenAI; OpenRouter's beside a choice finishing
   ``error``, or inside that choice: :func:`carries_error`) or as an ``error`` event whose data
   is the bare error object (llama.cpp's ``error:`` field, :mod:`switchyard.gateway.sse`): classified by its status;
@@ -434,7 +436,8 @@ class StreamDecoder:
                 raise self._error(json.dumps({"error": choice["error"]}))
             if "usage" in choice:  # Moonshot (Kimi) sends its usage in the finish chunk's choice, not beside it
                 self.usage = _usage(choice["usage"]) or self.usage
-            delta = choice.get("delta") or {}
+            # a whole completion framed as a chunk carries its choice's "message" where a chunk has "delta"
+            delta = choice.get("delta") or choice.get("message") or {}
             if not isinstance(delta, dict):
                 raise StreamProtocolError(
                     f"error reading choices: stream chunk {self.chunks} has a 'delta' that is not an object: "
@@ -478,7 +481,8 @@ class StreamDecoder:
         choice carries a ``message`` object).
 
         A server that cannot stream a request (some do not for tool calls), or a caching proxy between, may
-        answer ``stream: true`` with the whole completion as ``application/json``, as it would answer without
+        answer ``stream: true`` with the whole completion as ``application/json`` (or under the stream's own
+        label, ``text/event-stream``, with no ``data:`` line: the body decides), as it would answer without
         it (OpenAI API reference, "The chat completion object": ``choices[].message`` where a chunk has
         ``choices[].delta``). The answer is all there: it is read as one chunk whose delta is the message.
         Read as "not a stream", every such answer failed.
