@@ -212,6 +212,45 @@ def test_a_refusal_is_the_answer_streamed_or_whole():
     assert StreamDecoder("m").feed(chunk({"content": "hi", "refusal": None})) == [Token("hi")]
 
 
+def _choices(*choices: dict, **extra) -> str:
+    return json.dumps({"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": list(choices), **extra})
+
+
+def test_the_answer_is_the_choice_of_index_0_wherever_it_sits_in_a_chunk_or_a_whole_completion():
+    """The decoder read ``choices[0]``: a server that sends another choice first (another index's piece, ordered as
+    it likes) gave that choice's text as the answer's, and its finish_reason ended the answer; usage-only chunks
+    (``choices: []``) between carry nothing. The choice of index 0 is read wherever it sits; a choice with no index
+    is index 0 (a server sending one choice may leave it out); the other choices are not the answer. The whole
+    completion (no stream) is read so too."""
+    decoder = StreamDecoder("m")
+    fed = [
+        _choices({"index": 1, "delta": {"content": "other"}, "finish_reason": None},
+                 {"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}),
+        _choices(),  # nothing
+        _choices({"index": 1, "delta": {}, "finish_reason": "length"}),  # another choice ends: not the answer
+        _choices({"delta": {"content": "lo"}, "finish_reason": None}),  # no index: index 0
+        _choices({"index": 1, "delta": {"content": "x"}, "finish_reason": None},
+                 {"index": 0, "delta": {}, "finish_reason": "stop"}),
+        _choices(usage={"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}),  # usage-only: choices []
+    ]
+    events = [e for data in fed for e in decoder.feed(data)]
+    assert decoder.ending == "finish_reason"
+    assert events + decoder.end() == [Token("Hel"), Token("lo"), Finished("stop", Usage(5, 2, 7), "m", "finish_reason")]
+    only_other = StreamDecoder("m")
+    assert only_other.feed(_choices({"index": 1, "delta": {"content": "x"}, "finish_reason": "stop"})) == []
+    assert only_other.feed("[DONE]") == []
+    with pytest.raises(StreamProtocolError, match="none of the 1 stream chunk\\(s\\) carried a choice of index 0"):
+        only_other.end()  # no answer came: an error naming what did, not an empty answer
+    with pytest.raises(StreamProtocolError, match="a choice that is not an object"):
+        StreamDecoder("m").feed(_choices({"index": 0, "delta": {}}, "x"))
+    whole = StreamDecoder("m").whole_answer(json.dumps({"object": "chat.completion", "model": "m", "choices": [
+        {"index": 1, "message": {"role": "assistant", "content": "other"}, "finish_reason": "length"},
+        {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "stop"}]}))
+    assert whole == [Token("Hello"), Finished("stop", None, "m", "whole_answer")]
+    assert StreamDecoder("m").whole_answer(json.dumps({"choices": [
+        {"index": 1, "message": {"role": "assistant", "content": "other"}, "finish_reason": "stop"}]})) is None
+
+
 def test_a_finish_reason_ends_a_stream_without_done_and_done_ends_one_without_finish_reason():
     """transformers serve ends with a finish chunk carrying usage and no [DONE]: finished, not cut."""
     no_marker = StreamDecoder("m")

@@ -18,6 +18,9 @@ LitServe), are kept byte for byte under ``tests/data/upstream_streams/``, each n
 
 Shapes seen in the wild that are decoded too (each is a test case):
 
+- a chunk whose choices are not in index order, or that carries another choice beside the answer's: the answer is
+  the choice of ``index`` 0 wherever it sits (one with no ``index`` is 0), in a chunk and in a whole completion
+  (:func:`_answer_choice`; read as ``choices[0]``, another choice's text and finish were the answer's);
 - chunks with ``choices: []`` or no ``choices`` at all and no usage (Azure's
   ``prompt_filter_results`` preamble): no events; a stream none of whose chunks
   carries a choice is an error ("reading choices"), unless its usage counts no completion token (an empty
@@ -304,6 +307,39 @@ def stream_error_status(payload: dict[str, Any]) -> int | None:
     return _ERROR_TYPE_STATUS.get(kind.lower()) if isinstance(kind, str) else None
 
 
+def _index_of(choice: dict[str, Any]) -> int | None:
+    """A choice's ``index``: 0 when it carries none (a server that sends one choice may leave it out), None when it
+    is no integer."""
+    raw = choice.get("index", 0)
+    if raw is None:
+        return 0
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        return None
+
+
+def _answer_choice(choices: list[Any], where: str, data: str) -> list[dict[str, Any]]:
+    """The answer's choice among a chunk's ``choices`` (``where``: the chunk, ``data``: as received, both named by
+    an error), as a list of one, or none when the chunk carries no choice of index 0: the one whose ``index`` is 0
+    (or that carries none), wherever it sits. A request asks for one choice (no ``n``), but servers order the
+    choices of a chunk as they like, and some send others beside it (another index's pieces, a usage-only chunk's
+    ``choices: []``); read as ``choices[0]``, another choice's text was the answer's, and its ``finish_reason``
+    ended the answer.
+
+    Raises:
+        StreamProtocolError: a choice is not an object ("error reading choices").
+    """
+    for choice in choices:
+        if not isinstance(choice, dict):
+            raise StreamProtocolError(
+                f"error reading choices: {where} has a choice that is not an object: received {snippet(data)}"
+            )
+    return next(([c] for c in choices if _index_of(c) == 0), [])
+
+
 def _whole_characters(carry: str, text: str) -> tuple[str, str]:
     """``text`` after ``carry`` (a high surrogate held from the last chunk), and the trailing high surrogate it
     holds back in turn ("" when none)."""
@@ -425,12 +461,7 @@ class StreamDecoder:
                 f"received {snippet(data)}"
             )
         events: list[StreamEvent] = []
-        for choice in choices[:1]:
-            if not isinstance(choice, dict):
-                raise StreamProtocolError(
-                    f"error reading choices: stream chunk {self.chunks} has a choice that is not an object: "
-                    f"received {snippet(data)}"
-                )
+        for choice in _answer_choice(choices, f"stream chunk {self.chunks}", data):
             self.choices_seen += 1
             if choice.get("error"):  # OpenRouter's schema: a choice may carry its own error object
                 raise self._error(json.dumps({"error": choice["error"]}))
@@ -495,12 +526,14 @@ class StreamDecoder:
         except ValueError:
             return None
         choices = payload.get("choices") if isinstance(payload, dict) else None
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict) \
-                or not isinstance(choices[0].get("message"), dict):
+        if not isinstance(choices, list):
+            return None
+        choice = next((c for c in choices if isinstance(c, dict) and _index_of(c) == 0), None)
+        if choice is None or not isinstance(choice.get("message"), dict):
             return None
         self.whole = True
         self.last = body
-        chunk = {**payload, "choices": [{**choices[0], "delta": choices[0]["message"]}]}
+        chunk = {**payload, "choices": [{**choice, "delta": choice["message"]}]}
         try:
             return [*self._chunk(chunk, body), *self.end()]
         except GatewayError:
@@ -588,7 +621,7 @@ class StreamDecoder:
             counted = (f"; the server counted {self.usage.completion_tokens} completion token(s) that none carried"
                        if self.usage is not None else "")
             raise StreamProtocolError(
-                f"error reading choices: none of the {self.chunks} stream chunk(s) carried a choice{counted}: "
+                f"error reading choices: none of the {self.chunks} stream chunk(s) carried a choice of index 0 (the answer's){counted}: "
                 f"last received {snippet(self.last)}"
             )
         carried = self._carries
