@@ -210,7 +210,7 @@ async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_db: RedisDb) 
     assert int(await client.hget(sched.tiers.parked_key("agent-t"), "tokens")) == prefix
 
     publish(sched)
-    restored = metric("switchyard_resumes_total", kind="tool_restored")
+    restored = metric("switchyard_resumes_total", resume="restored")
     back = request("agent-back", agent_id="agent-t", task_type="react_loop", prompt_tokens=700, arrival=5.0)
     sched.resume(back, now=5.0)
     out = sched.schedule(now=5.0)
@@ -218,7 +218,7 @@ async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_db: RedisDb) 
     assert await sched.tiers.restore(back) == prefix
     assert back.num_computed_tokens == prefix and back.needs_prefill  # only the new tokens are prefilled
     publish(sched)
-    assert metric("switchyard_resumes_total", kind="tool_restored") == restored + 1
+    assert metric("switchyard_resumes_total", resume="restored") == restored + 1
     await run_to_end(sched, engine, back, now=5.1)
     assert back.recomputed_tokens == 0 and back.restored_tokens == prefix
     await sched.tiers.aclose()
@@ -568,7 +568,7 @@ async def test_dispatcher_over_grpc_parks_an_agent_in_redis_and_resumes_it_from_
         assert prefix > 0 and service.scheduler.parked == []
 
         restored = metric("switchyard_kv_restored_tokens_total")
-        resumes = metric("switchyard_resumes_total", kind="tool_restored")
+        resumes = metric("switchyard_resumes_total", resume="restored")
         follow = [
             question,
             agent_pb2.ChatMessage(role="assistant", tool_calls=[call]),
@@ -580,7 +580,7 @@ async def test_dispatcher_over_grpc_parks_an_agent_in_redis_and_resumes_it_from_
             resume=True,
         ), timeout=30)]
         assert second[-1].done.finish_reason == "stop"
-        assert metric("switchyard_resumes_total", kind="tool_restored") == resumes + 1
+        assert metric("switchyard_resumes_total", resume="restored") == resumes + 1
         assert metric("switchyard_kv_restored_tokens_total") == restored + prefix
         for _ in range(100):
             if not await client.exists(key):

@@ -69,8 +69,8 @@ def test_counters_with_a_known_label_set_start_at_zero() -> None:
 
     for cls in ("core", "normal", "batch"):
         assert REGISTRY.get_sample_value("switchyard_preemptions_total", {"priority_class": cls}) is not None
-    for kind in ("preempted", "tool_warm", "tool_restored", "tool_cold"):
-        assert REGISTRY.get_sample_value("switchyard_resumes_total", {"kind": kind}) is not None
+    for resume in ("preempted", "warm", "restored", "cold"):
+        assert REGISTRY.get_sample_value("switchyard_resumes_total", {"resume": resume}) is not None
     for reason in ("admission_wave", "compute_score", "kv_memory", "upstream_concurrency"):
         assert REGISTRY.get_sample_value("switchyard_admissions_refused_total", {"reason": reason}) is not None
 
@@ -180,6 +180,8 @@ def test_the_tool_wait_label_sets_are_the_schedulers_own() -> None:
     assert label_values("switchyard_tool_wait_decisions_total", "decision") == decisions
     assert label_values("switchyard_tool_wait_decisions_by_tool_total", "decision") == decisions
     assert label_values("switchyard_tool_resumes_total", "resume") == set(RESUME_KINDS)
+    # one label, one set: the sequences' resumes are the tool resumes' kinds and preempted
+    assert label_values("switchyard_resumes_total", "resume") == {"preempted", *RESUME_KINDS}
     assert label_values("switchyard_tool_wait_prefetches_total", "tool_return") == set(PREFETCH_TIMINGS)
 
 

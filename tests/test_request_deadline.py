@@ -180,7 +180,7 @@ def test_a_resumed_step_that_never_ran_ends_alike_however_it_ends(ends_by, in_dr
     req = Request(request_id="t:1", prompt="x", prompt_tokens=400, max_tokens=16, agent_id="agent-1",
                   task_type="react_loop", resume=True, arrival=now)
     sched.add_request(req, now)
-    sched.flush(FlushReason.IDLE, now)  # joins the waiting set as a resumed step (tool_restored / tool_cold)
+    sched.flush(FlushReason.IDLE, now)  # joins the waiting set as a resumed step (restored / cold)
     later = now + config.queues.inference.timeout_ms / 1000 + 1
     if ends_by == "queue_timeout":
         sched._expire(later, SchedulerOutput())

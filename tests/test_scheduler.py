@@ -535,11 +535,11 @@ async def test_core_preempts_batch_after_grace_and_batch_resumes_without_losing_
     while not core.is_finished:  # the scheduler's stop check ends it (max_tokens)
         await step(sched, engine, decode=[core], now=0.18)
     publish(sched)
-    resumes = metric("switchyard_resumes_total", kind="preempted")
+    resumes = metric("switchyard_resumes_total", resume="preempted")
     out = sched.schedule(now=0.2)
     assert out.admitted == [batch]
     publish(sched)
-    assert metric("switchyard_resumes_total", kind="preempted") == resumes + 1
+    assert metric("switchyard_resumes_total", resume="preempted") == resumes + 1
     await step(sched, engine, prefill=[batch], now=0.2)
     while not batch.is_finished:
         await step(sched, engine, decode=[batch], now=0.3)

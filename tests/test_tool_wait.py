@@ -164,7 +164,7 @@ def test_returns_are_learned_per_tool_against_the_announced_wait():
     plans = ToolWaitPlans()
     for k in range(MIN_RETURNS):  # announced 10 s, back after 8 s
         plans.add(plan(f"a{k}", 0.0, 10.0))
-        plans.on_turn(f"a{k}", 8.0, warm=False)
+        plans.on_turn(f"a{k}", 8.0, resume="cold")
     assert plans.return_times("t", 20.0) == ((16.0,), (1.0,))  # scaled to the new announcement: all the mass at 16 s
     # announced at a tenth, with none announced alike: the tool's own durations, in seconds
     assert plans.return_times("t", 1.0) == ((8.0,), (1.0,))
@@ -182,7 +182,7 @@ def test_calls_announced_on_a_cold_estimate_time_the_next_calls_by_their_seconds
     for k in range(2 * MIN_RETURNS):
         plans.add(ToolWaitPlan(f"a{k}", "batch_job", Decision.SWAP, 0.0, 1.0, 2.0))
     for k in range(MIN_RETURNS):  # the quick half is back after 10-13.5 s
-        plans.on_turn(f"a{k}", 10.0 + 0.5 * k, warm=False)
+        plans.on_turn(f"a{k}", 10.0 + 0.5 * k, resume="cold")
     returned_only = plans.return_times("batch_job", 18.0)
     assert returned_only.times == tuple(10.0 + 0.5 * k for k in range(MIN_RETURNS))
     with_running = plans.return_times("batch_job", 18.0, now=14.0)
@@ -238,7 +238,7 @@ def test_the_calls_still_running_move_a_tools_distribution_past_its_quick_first_
     for k in range(40):
         plans.add(ToolWaitPlan(f"a{k}", "batch_job", Decision.SWAP, 0.0, 10.0, 20.0))
     for k in range(MIN_RETURNS):
-        plans.on_turn(f"a{k}", 4.0 + 2.0 * k / MIN_RETURNS, warm=False)
+        plans.on_turn(f"a{k}", 4.0 + 2.0 * k / MIN_RETURNS, resume="cold")
     returned_only = plans.return_times("batch_job", 10.0)
     assert max(returned_only.times) < 6.0 and sum(returned_only.weights) == pytest.approx(1.0)
     with_running = plans.return_times("batch_job", 10.0, now=7.0)
@@ -253,7 +253,7 @@ def test_a_call_running_many_times_its_announced_wait_counts_as_abandoned_and_a_
     for k in range(MIN_RETURNS + 2):
         plans.add(ToolWaitPlan(f"a{k}", "t", Decision.SWAP, 0.0, 1.0, 2.0))
     for k in range(MIN_RETURNS):
-        plans.on_turn(f"a{k}", 1.0, warm=False)
+        plans.on_turn(f"a{k}", 1.0, resume="cold")
     assert plans.return_times("t", 1.0, now=ABANDONED_RATIO + 1).times == (1.0,)  # both running ones: abandoned
     assert plans.return_times("t", 1.0, now=2.0).times == (1.0, 4.0)  # running for 2 s: back after 4 s
     assert plans.abandon(f"a{MIN_RETURNS}") is not None and plans.abandon(f"a{MIN_RETURNS + 1}") is not None
@@ -304,7 +304,7 @@ def test_a_call_of_the_tool_running_past_the_revisit_time_cancels_a_restore_time
     plans.add(ToolWaitPlan("a", "batch_job", Decision.SWAP, 1.0, 2.0, 3.0))
     plans.add(ToolWaitPlan("b", "batch_job", Decision.SWAP, 2.0, 3.0, 4.0))
     assert plans.longest_running_s("batch_job", 5.0, 1.0) == 4.0 and plans.longest_running_s("code", 5.0, 1.0) == 0.0
-    plans.on_turn("a", 5.0, warm=False)
+    plans.on_turn("a", 5.0, resume="cold")
     assert plans.longest_running_s("batch_job", 5.0, 1.0) == 3.0
 
 

@@ -66,7 +66,7 @@ async def swapped(db: RedisDb, agent: str, **overrides: Any) -> tuple[Any, Reque
 
 def counts(sched: Any) -> tuple[dict[str, int], dict[str, int]]:
     """The scheduler's per-tool resumes and prefetch timings for ``TOOL``."""
-    resumes = {kind: sched.counters.tool_resumes[(TOOL, kind)] for kind in ("warm", "cold")}
+    resumes = {kind: sched.counters.tool_resumes[(TOOL, kind)] for kind in ("warm", "restored", "cold")}
     returns = {kind: sched.counters.tool_prefetches[(TOOL, kind)] for kind in ("early", "on_time", "late")}
     return resumes, returns
 
@@ -99,14 +99,14 @@ async def test_a_swapped_agent_is_restored_a_transfer_ahead_of_its_tools_expecte
     out = sched.schedule(now=expected_return)
     assert back in out.admitted and out.restore == []  # nothing to bring back: the prefix is there
     assert back.num_computed_tokens == restored
-    assert counts(sched) == ({"warm": 1, "cold": 0}, {"early": 0, "on_time": 1, "late": 0})
+    assert counts(sched) == ({"warm": 1, "restored": 0, "cold": 0}, {"early": 0, "on_time": 1, "late": 0})
     publish(sched)
     assert metric("switchyard_tool_resumes_total", tool=TOOL, resume="warm") == warm_before + 1
     assert metric("switchyard_tool_wait_prefetches_total", tool=TOOL, tool_return="on_time") == on_time_before + 1
     await sched.tiers.aclose()
 
 
-async def test_an_early_return_restores_at_once_and_counts_cold(redis_db: RedisDb):
+async def test_an_early_return_restores_at_once_and_counts_restored(redis_db: RedisDb):
     sched, think, prefix, decided = await swapped(redis_db, "agent-early")
     early = STARTED + WAIT_S / 2  # the tool came back well before its restore was due
     back = step_request("agent-early-back", "agent-early", early, 700, resume=True)
@@ -115,7 +115,7 @@ async def test_an_early_return_restores_at_once_and_counts_cold(redis_db: RedisD
     assert back in out.admitted and out.restore == [back]  # restored now, at its admission
     assert out.prefetch == [] and math.isinf(sched.tool_waits.next_restore_at)  # the plan ended with the turn
     assert await sched.tiers.restore(back) == prefix
-    assert counts(sched) == ({"warm": 0, "cold": 1}, {"early": 1, "on_time": 0, "late": 0})
+    assert counts(sched) == ({"warm": 0, "restored": 1, "cold": 0}, {"early": 1, "on_time": 0, "late": 0})
     await sched.tiers.aclose()
 
 
@@ -132,7 +132,7 @@ async def test_a_return_while_the_restore_is_in_flight_leaves_the_copy_for_the_t
     out = sched.schedule(now=restore_at + decided.transfer_s)
     assert out.restore == [back]
     assert await sched.tiers.restore(back) == prefix  # the DRAM copy was left for the turn
-    assert counts(sched) == ({"warm": 0, "cold": 1}, {"early": 1, "on_time": 0, "late": 0})
+    assert counts(sched) == ({"warm": 0, "restored": 1, "cold": 0}, {"early": 1, "on_time": 0, "late": 0})
     await sched.tiers.aclose()
 
 
@@ -159,7 +159,7 @@ async def test_a_late_return_finds_the_kv_under_the_parking_rules_and_counts_lat
     sched.resume(back, now=revisit + 2.0)
     out = sched.schedule(now=revisit + 2.0)
     assert out.restore == [back]  # its copy went back to DRAM at expiry
-    assert counts(sched) == ({"warm": 0, "cold": 1}, {"early": 0, "on_time": 0, "late": 1})  # counted once
+    assert counts(sched) == ({"warm": 0, "restored": 1, "cold": 0}, {"early": 0, "on_time": 0, "late": 1})  # counted once
     publish(sched)
     assert metric("switchyard_tool_wait_prefetches_total", tool=TOOL, tool_return="late") == late_before
     await sched.tiers.aclose()
@@ -173,7 +173,7 @@ def test_the_per_tool_label_sets_start_at_zero():
         for decision in ("keep", "swap", "drop"):
             assert REGISTRY.get_sample_value("switchyard_tool_wait_decisions_by_tool_total",
                                              {"tool": tool, "decision": decision}) is not None
-        for resume in ("warm", "cold"):
+        for resume in ("warm", "restored", "cold"):
             assert REGISTRY.get_sample_value("switchyard_tool_resumes_total", {"tool": tool, "resume": resume}) is not None
         for timing in ("early", "on_time", "late"):
             assert REGISTRY.get_sample_value("switchyard_tool_wait_prefetches_total",
@@ -302,7 +302,7 @@ def test_tools_outside_the_registered_ones_are_measured_apart_and_counted_as_oth
             agent = f"{tool}-{i}"
             start = 10.0 * i
             plans.add(ToolWaitPlan(agent, tool, Decision.KEEP, start, start + announced, start + 2 * announced))
-            plans.on_turn(agent, start + took, warm=True)
+            plans.on_turn(agent, start + took, resume="warm")
     for tool, took in (("fetch_page", 1.0), ("run_query", 3.6)):
         times, weights = plans.return_times(tool, announced)
         assert times and all(t == pytest.approx(took) for t in times) and sum(weights) == pytest.approx(1.0)
@@ -313,7 +313,7 @@ def test_tools_outside_the_registered_ones_are_measured_apart_and_counted_as_oth
     # the tools measured are bounded: the least recently returned leave first
     for i in range(tool_wait.MAX_TOOLS):
         plans.add(ToolWaitPlan(f"a{i}", f"tool-{i}", Decision.KEEP, 0.0, announced, 2 * announced))
-        plans.on_turn(f"a{i}", 1.0, warm=True)
+        plans.on_turn(f"a{i}", 1.0, resume="warm")
     assert len(plans._returns) == tool_wait.MAX_TOOLS
     assert "fetch_page" not in plans._returns and f"tool-{tool_wait.MAX_TOOLS - 1}" in plans._returns
 

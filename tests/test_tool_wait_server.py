@@ -133,11 +133,11 @@ async def test_two_tasks_of_one_agent_keep_their_own_parked_state_decisions_and_
     assert (await announce("task-b", 0.5)).decision == agent_pb2.KEEP
     await announce("task-a", 0.5, ended=True)  # task-a ends during its wait: task-b's state stays
     assert [r.task_id for r in scheduler.parked] == ["task-b"]
-    warm = scheduler.counters.resumes["tool_warm"]
+    warm = scheduler.counters.resumes["warm"]
     chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
         request_id="shared-agent:task-b:1", agent_id="shared-agent", task_id="task-b", task_type="react_loop",
         tools=TOOLS, max_tokens=8, resume=True, messages=[QUESTION, agent_pb2.ChatMessage(role="tool", content="x")]))]
-    assert chunks[-1].HasField("done") and scheduler.counters.resumes["tool_warm"] == warm + 1  # its own state
+    assert chunks[-1].HasField("done") and scheduler.counters.resumes["warm"] == warm + 1  # its own state
     await announce("task-b", 0.5, ended=True)
     assert scheduler.parked == [] and scheduler.parking.kv_bytes == 0
 
@@ -169,7 +169,7 @@ async def test_with_a_dram_tier_a_very_long_wait_swaps_and_the_next_step_restore
         channel = open_channel(f"127.0.0.1:{srv.port}")
         stub = agent_pb2_grpc.InferenceServiceStub(channel)
         first = await _park(stub, "swapped-agent")
-        swaps, restored = _value(TOOL_WAIT_DECISIONS, decision="swap"), _value(RESUMES, kind="tool_restored")
+        swaps, restored = _value(TOOL_WAIT_DECISIONS, decision="swap"), _value(RESUMES, resume="restored")
         tokens = RESTORED_TOKENS._value.get()
         wait_s = 86_400.0
         reply = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="swapped-agent", tool="search_docs",
@@ -190,7 +190,7 @@ async def test_with_a_dram_tier_a_very_long_wait_swaps_and_the_next_step_restore
             ]))]
         await channel.close()
     assert chunks[-1].HasField("done")
-    assert _value(RESUMES, kind="tool_restored") == restored + 1
+    assert _value(RESUMES, resume="restored") == restored + 1
     assert RESTORED_TOKENS._value.get() > tokens
 
 
@@ -412,7 +412,7 @@ async def test_a_swap_decided_for_a_prefix_cheaper_to_recompute_than_to_copy_twi
         tokens, nbytes = parked.req.num_computed_tokens, parked.kv_bytes
         assert not tiers.worth_swapping(tokens, nbytes)  # a round trip costs more than one recompute here
         swaps, drops = _value(TOOL_WAIT_DECISIONS, decision="swap"), _value(TOOL_WAIT_DECISIONS, decision="drop")
-        restored = _value(RESUMES, kind="tool_restored")
+        restored = _value(RESUMES, resume="restored")
         reply = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="fast-prefill-agent", tool="search_docs",
                                                               expected_wait_s=600.0))
         assert reply.decision == agent_pb2.SWAP and reply.restore_at_s > 0
@@ -423,7 +423,7 @@ async def test_a_swap_decided_for_a_prefix_cheaper_to_recompute_than_to_copy_twi
         chunks = [c async for c in stub.Generate(_resume_request("fast-prefill-agent", first))]
         await channel.close()
     assert chunks[-1].HasField("done")
-    assert _value(RESUMES, kind="tool_restored") == restored + 1  # restored from DRAM, not recomputed
+    assert _value(RESUMES, resume="restored") == restored + 1  # restored from DRAM, not recomputed
 
 
 async def test_a_dispatcher_restarted_during_a_tool_wait_serves_the_agents_next_step():

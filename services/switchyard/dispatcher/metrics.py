@@ -169,10 +169,10 @@ REFUSED_EARLY = Counter(
 )
 RESUMES = Counter(
     "switchyard_resumes_total",
-    "Sequences that came back: kind=preempted (re-admitted after preemption), tool_warm / tool_restored / "
-    "tool_cold (a react_loop agent back from a tool call with its prefix state warm in HBM, in the DRAM "
-    "tier, or lost).",
-    ["kind"],
+    "Sequences that came back, by resume: preempted (re-admitted after preemption), or a react_loop agent back "
+    "from a tool call with its prefix state warm (in HBM), restored (from the DRAM tier, at admission) or cold "
+    "(recomputed); the tool resumes' values are switchyard_tool_resumes_total's.",
+    ["resume"],
 )
 TOOL_WAIT_EXPIRED = Counter(
     "switchyard_tool_wait_expired_total", "Parked agents whose prefix state left HBM when their time parked ran out (tool_wait_ttl_s, or a KEEP decision's "
@@ -249,8 +249,8 @@ TOOL_WAIT_DECISIONS_BY_TOOL = Counter(
 TOOL_RESUMES = Counter(
     "switchyard_tool_resumes_total",
     "Agents back from a tool whose wait was decided at tool start, by tool and how the next step found the "
-    "prefix: warm (still in HBM, kept or restored ahead of the turn) or cold (restored at admission or "
-    "recomputed).",
+    "prefix: warm (still in HBM, kept or restored ahead of the turn), restored (from the DRAM tier, at "
+    "admission) or cold (recomputed).",
     ["tool", "resume"],
 )
 TOOL_WAIT_PREFETCHES = Counter(

@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from switchyard.common.priority import LABELS
 from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, SchedulerOutput
+from switchyard.dispatcher.scheduler.tool_wait import RESUME_KINDS
 
 if TYPE_CHECKING:
     from switchyard.dispatcher.engines.base import StepBatch, StepResult
@@ -90,10 +91,11 @@ REACT_TASK_TYPE = "react_loop"
 """The task type whose agents alternate GPU thinking and tool waits."""
 
 
-SEQUENCE_RESUME_KINDS: tuple[str, ...] = ("preempted", "tool_warm", "tool_restored", "tool_cold")
-"""How a sequence came back (:attr:`SchedulerCounters.resumes`, ``switchyard_resumes_total{kind}``): re-admitted
-after preemption, or a react_loop agent back from a tool call with its prefix state warm in HBM, in the DRAM
-tier, or lost."""
+SEQUENCE_RESUME_KINDS: tuple[str, ...] = ("preempted", *RESUME_KINDS)
+"""How a sequence came back (:attr:`SchedulerCounters.resumes`, ``switchyard_resumes_total{resume}``): re-admitted
+after preemption, or a react_loop agent back from a tool call as :data:`.tool_wait.RESUME_KINDS` says (its prefix
+state warm in HBM, restored from the DRAM tier, or cold: the one set of ``switchyard_tool_resumes_total``'s
+``resume`` label)."""
 
 
 def should_park(req: Request) -> bool:
@@ -124,8 +126,8 @@ class SchedulerCounters:
     ``switchyard_resumes_total``), ``tool_wait_decisions`` by decision (keep,
     swap, drop; ``switchyard_tool_wait_decisions_total``). Per tool, keyed ``(tool, label)`` (the tool
     a bounded label: :data:`switchyard.common.metrics.TOOL_NAMES` or ``other``): ``tool_decisions`` by
-    decision (``switchyard_tool_wait_decisions_by_tool_total``), ``tool_resumes`` by warm / cold
-    (``switchyard_tool_resumes_total``), ``tool_prefetches`` by the tool's return, early / on_time / late
+    decision (``switchyard_tool_wait_decisions_by_tool_total``), ``tool_resumes`` by warm / restored /
+    cold (:data:`.tool_wait.RESUME_KINDS`; ``switchyard_tool_resumes_total``), ``tool_prefetches`` by the tool's return, early / on_time / late
     (``switchyard_tool_wait_prefetches_total``; :mod:`.tool_wait`). ``tenant_service``: the tokens of
     service the ``fair`` policy charged each tenant (its attained service, not decayed), by the tenant's
     label (:func:`.fair.tenant_labels`: the tenants ``scheduler.tenant_weights`` names, ``default``, and

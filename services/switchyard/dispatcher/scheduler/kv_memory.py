@@ -422,7 +422,9 @@ class KvMemory:
         whatever it holds), or recomputes its prefix (``recomputed_tokens``); counted as a warm, restored or
         cold resume, and its tool-wait plan learns that its turn came (:meth:`.tool_wait.ToolWaitPlans.on_turn`)."""
         found = self.parking.take(req.program_key, now, req)
-        plan = self.tool_waits.on_turn(req.program_key, now, found.warm)
+        resume = "warm" if found.warm else "restored" if found.in_dram and found.prefix_tokens else "cold"
+        plan = self.tool_waits.on_turn(req.program_key, now, resume)
+        self.counters.resumes[resume] += 1
         if found.warm and plan is not None:  # kept, or restored ahead, for this turn
             self.parking.hold_handover(req, now + self.scheduler_config.tool_wait_turn_hold_s)
         if found.warm:
@@ -430,16 +432,13 @@ class KvMemory:
             req.num_computed_tokens = max(0, min(found.prefix_tokens, req.prompt_tokens - 1))
             req.kv_hits += 1
             self.counters.hbm_hits += 1
-            self.counters.resumes["tool_warm"] += 1
-        elif found.in_dram and found.prefix_tokens:
+        elif resume == "restored":
             # Its prefix went to DRAM: brought back at admission (a miss there recomputes it).
             req.swap_key, req.swap_tokens = self.tiers.parked_key(req.program_key), found.prefix_tokens
             self.counters.hbm_misses += 1
-            self.counters.resumes["tool_restored"] += 1
         else:
             self.counters.hbm_misses += 1
             req.recomputed_tokens += min(found.prefix_tokens, req.prompt_tokens)
-            self.counters.resumes["tool_cold"] += 1
             if not found.prefix_tokens and self.tiers.store is not None:
                 # No record here: the agent's last step ran on another replica (affinity spilled it). The
                 # DRAM tier is shared and keyed by agent, so a copy that replica parked there is found

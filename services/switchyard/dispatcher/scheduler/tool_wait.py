@@ -101,8 +101,9 @@ Early and late returns:
   time: ``on_time``.
 
 Every resume of an agent that had a tool-wait decision is counted per tool,
-``warm`` (its prefix still in HBM) or ``cold`` (restored at admission or
-recomputed) (:class:`ToolWaitPlans`; exported as
+by :data:`RESUME_KINDS`: ``warm`` (its prefix still in HBM), ``restored``
+(its copy in the DRAM tier, brought back at admission) or ``cold`` (no state
+known here: recomputed) (:class:`ToolWaitPlans`; exported as
 ``switchyard_tool_resumes_total{tool,resume}``, with the decisions as
 ``switchyard_tool_wait_decisions_by_tool_total{tool,decision}`` and the
 prefetches by the tool's return as ``switchyard_tool_wait_prefetches_total{tool,tool_return}``).
@@ -418,8 +419,11 @@ def on_return(decision: ToolWaitDecision, elapsed_s: float, transfer_s: float, r
     return Return(False, max(0.0, started + transfer_s - elapsed_s))
 
 
-RESUME_KINDS: tuple[str, ...] = ("warm", "cold")
-"""How an agent back from a tool found its prefix: still in HBM, or not (the ``resume`` label)."""
+RESUME_KINDS: tuple[str, ...] = ("warm", "restored", "cold")
+"""How an agent back from a tool found its prefix, the ``resume`` label of ``switchyard_tool_resumes_total`` and
+``switchyard_resumes_total`` (its one bounded set: the latter adds ``preempted``, :data:`.base.SEQUENCE_RESUME_KINDS`):
+``warm`` (still in HBM: kept, or restored ahead of the turn), ``restored`` (its copy in the DRAM tier, brought back
+at admission), ``cold`` (no state known here: recomputed, or a copy another replica parked, found at admission)."""
 
 PREFETCH_TIMINGS: tuple[str, ...] = ("early", "on_time", "late")
 """How a swapped agent's tool returned against its planned restore (the ``tool_return`` label): early
@@ -662,15 +666,15 @@ class ToolWaitPlans:
         self._close(plan)
         return plan
 
-    def on_turn(self, program_key: str, now: float, warm: bool) -> ToolWaitPlan | None:
-        """The agent's next turn arrived at ``now``, its prefix ``warm`` in HBM or not: its plan ends, the
-        resume and (SWAP) the prefetch's timing are counted, and the tool's return is measured. Returns the
-        plan (None when it had none)."""
+    def on_turn(self, program_key: str, now: float, resume: str) -> ToolWaitPlan | None:
+        """The agent's next turn arrived at ``now``, finding its prefix as ``resume`` says (one of
+        :data:`RESUME_KINDS`): its plan ends, the resume and (SWAP) the prefetch's timing are counted, and the
+        tool's return is measured. Returns the plan (None when it had none)."""
         plan = self._plans.pop(program_key, None)
         if plan is None:
             return None
         self._close(plan)
-        self.resumes[(plan.label, "warm" if warm else "cold")] += 1
+        self.resumes[(plan.label, resume)] += 1
         expected = plan.expected_return_at - plan.started_at
         if expected > 0 and now >= plan.started_at:
             kept = self._returns.pop(plan.tool, None)
