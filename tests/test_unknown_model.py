@@ -214,3 +214,27 @@ def test_served_names_follow_the_gateways_resolution():
     assert served_names(["m", "llama3:latest"], {"alias": "m", "gone": "x", "m2": "m"}) == [
         "alias", "llama3", "llama3:latest", "m", "m2"]
     assert served_names(["m", "n"], {"n": "x"}) == ["m"]  # n is sent as x, which the server does not list
+
+
+async def test_the_served_names_are_built_when_a_list_is_read_with_other_ids_not_per_request(clean_proxy_env):
+    """The dispatcher reads the served names for every request naming a model (its check, and whether the list
+    must be read again for it): they were built anew each time (the union of the endpoints' lists, the
+    ``model_map`` resolution, a sort). The gateway client, which reads the lists, keeps them: the same names
+    while the lists are, a list read again with the same ids included, and built again once one is read with
+    other ids."""
+    from gateway_fixtures import gateway_config
+    from switchyard.gateway.client import GatewayClient
+
+    with start_sim(models=[MODEL]) as sim:
+        cfg = gateway_config(sim.base_url, default_model=MODEL, fallback_model="", model_map={"alias": MODEL})
+        async with GatewayClient(cfg) as client:
+            assert client.served_names() == ()  # no list read: not known
+            await client.list_models_everywhere()
+            names = client.served_names()
+            assert names == (MODEL, "alias") and client.served_names() is names
+            await client.list_models_everywhere()  # read again, the same ids: the same names, not built again
+            assert client.served_names() is names
+            sim.sim.options.models[:] = [MODEL, OTHER]  # the server loaded another model
+            (endpoint,) = client.pool.endpoints.values()
+            await client.list_models(endpoint)
+            assert client.served_names() == (OTHER, MODEL, "alias")

@@ -427,11 +427,12 @@ class RequestProcessor:
                 (RESOURCE_EXHAUSTED), or, under the ``fair`` policy, its task cannot meet its deadline
                 (DEADLINE_EXCEEDED, :class:`~switchyard.dispatcher.scheduler.slack.CannotMeetDeadline`).
         """
-        reported, served, ratio = 0, [], 1.0
+        reported, ratio = 0, 1.0
+        served: Sequence[str] = ()
         if not self.stepping:
             await self.engine.await_model_list(request.model, MODELS_READ_WAIT_S)
             reported = self.engine.reported_context_window(request.model)
-            served = self.engine.served_names() if request.model else []  # a request naming none is never refused
+            served = self.engine.served_names() if request.model else ()  # a request naming none is never refused
             ratio = self.engine.prompt_token_ratio(request.model or self.engine.model)
         build = functools.partial(to_request, request, self.config, self.engine.model, only_model=self.stepping,
                                   reported_window=reported, served=served, prompt_token_ratio=ratio)

@@ -264,6 +264,9 @@ class GatewayClient:
         self._drains: set[asyncio.Task[None]] = set()
         """Reads of bodies whose stream ended at ``[DONE]`` before the body did (:meth:`_finish_body`)."""
         self._closed = False  # aclose began: a body whose stream ended is closed, not drained
+        self._served: tuple[tuple[frozenset[str] | None, ...] | None, tuple[str, ...]] = (None, ())
+        """The endpoints' model lists (each :attr:`Endpoint.models`, in the pool's order) :meth:`served_names` last
+        built its names from, and those names."""
         self.pool.on_answer = self._relist_soon  # an endpoint back after it could not be reached: read again
 
     @property
@@ -386,23 +389,33 @@ class GatewayClient:
                 log.info("could not list the models of %s for its context windows: %s", endpoint.url, outcome)
         return ids
 
-    def served_names(self) -> list[str]:
+    def served_names(self) -> tuple[str, ...]:
         """Every client-facing model name a request may give (:func:`~switchyard.gateway.models.served_names` of the
         ids the endpoints' :meth:`list_models` read, over a pool their union, and ``model_map``), sorted; empty while
         any endpoint of the pool has not been read (a down one may serve a name no other lists): not known, a
         request naming any model is sent and the upstream decides. The default and fallback models (and their
         aliases) are always among them: the set-up named them, and a server that serves a model it does not list
         (llama.cpp's answers any name) is the call's to decide; one the server does not serve is a warning at the
-        dispatcher's start and a failure of ``switchyard doctor``."""
-        endpoints = list(self.pool.endpoints.values())
-        if not endpoints or any(e.models is None for e in endpoints):
-            return []
-        ids = frozenset().union(*(e.models or () for e in endpoints))
+        dispatcher's start and a failure of ``switchyard doctor``.
+
+        Built when a list was read with other ids or an endpoint joined or left the pool (``model_map`` and the
+        configured models are the client's for its life), not on each call: the dispatcher reads it for every
+        request that names a model (twice: :meth:`OpenAIEngine.await_model_list` and its check)."""
+        lists = tuple(e.models for e in self.pool.endpoints.values())
+        if lists != self._served[0]:  # a tuple compares each list by identity first: one element check per endpoint
+            self._served = (lists, self._build_served(lists))
+        return self._served[1]
+
+    def _build_served(self, lists: tuple[frozenset[str] | None, ...]) -> tuple[str, ...]:
+        """:meth:`served_names` of the endpoints' model ``lists``."""
+        if not lists or any(models is None for models in lists):
+            return ()
+        ids = frozenset().union(*lists)  # type: ignore[arg-type]
         if not ids:
-            return []
+            return ()
         cfg = self.config
         configured = {model_names.resolve(m, cfg.model_map, "") for m in (cfg.default_model, cfg.fallback_model) if m}
-        return model_names.served_names(ids | configured, cfg.model_map)
+        return tuple(model_names.served_names(ids | configured, cfg.model_map))
 
     def _pool_windows(self) -> dict[str, int]:
         """The context window per upstream model id over the endpoints of the pool now, tokens: the smallest any

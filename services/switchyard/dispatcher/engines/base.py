@@ -33,7 +33,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence, Union
 
 from switchyard.dispatcher.request import Request, ToolCall
 
@@ -335,10 +335,11 @@ class StreamEngine(abc.ABC):
         callers that check requests naming other models than the default); empty by default."""
         return {}
 
-    def served_names(self) -> list[str]:
+    def served_names(self) -> Sequence[str]:
         """Every model name a request may give, as the upstream's model list says (its ids and the aliases of
-        one); empty when not known (no list read, and by default): any name is sent and the upstream decides."""
-        return []
+        one), sorted; empty when not known (no list read, and by default): any name is sent and the upstream
+        decides. Not to be changed by the caller (an engine may hand out the sequence it keeps)."""
+        return ()
 
     def prompt_token_ratio(self, model: str) -> float:
         """The upstream's prompt tokens per token of the caller's count for ``model`` (a client-facing id), as

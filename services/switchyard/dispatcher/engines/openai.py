@@ -18,7 +18,7 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from opentelemetry.trace import Tracer
 
@@ -175,9 +175,10 @@ class OpenAIEngine(StreamEngine):
         """The windows of every model the upstream's ``GET /v1/models`` reported one for, and their aliases."""
         return self.client.reported_context_windows()
 
-    def served_names(self) -> list[str]:
-        """Every model name a request may give (:meth:`GatewayClient.served_names`: the listed ids and each
-        ``model_map`` alias of one); empty until the list of every endpoint has been read."""
+    def served_names(self) -> Sequence[str]:
+        """Every model name a request may give (:meth:`GatewayClient.served_names`, its one owner, built when a list
+        is read with other ids: the listed ids and each ``model_map`` alias of one); empty until the list of every
+        endpoint has been read."""
         return self.client.served_names()
 
     def _read_again_for(self, model: str) -> asyncio.Task[None] | None:
