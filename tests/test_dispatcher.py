@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import sys
 import time
@@ -15,7 +16,8 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.server import RunningServer, start_server
 from switchyard.dispatcher.engines.base import StreamEngine
-from switchyard.dispatcher.engines.sim import SimEngine
+from switchyard.dispatcher.engines.sim import SimEngine, SimKV
+from switchyard.dispatcher.request import RequestStatus
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.common.channels import open_channel
 from fast_sim import FAST
@@ -600,6 +602,106 @@ async def test_an_engine_without_the_capability_keeps_the_step_boundary() -> Non
     events, core, batch = await core_during_a_step(service)
     assert events.index(("core", 0)) > events.index(("batch", 1))
     assert every_token(batch, 4) and every_token(core, 2)
+
+
+class HeldChunkKV(SimKV):
+    """The sim's KV, counting each request's frees (by request id)."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        super().__init__(engine)
+        self.frees: collections.Counter[str] = collections.Counter()
+
+    def free(self, req) -> None:  # type: ignore[no-untyped-def]
+        self.frees[req.request_id] += 1
+        super().free(req)
+
+
+class HeldChunkSim(SimEngine):
+    """The sim engine, its KV frees counted (:class:`HeldChunkKV`), whose decode-only steps wait for ``joined``
+    (the running request decodes no further before request ``victim`` has arrived), and which holds the step that
+    carries a later chunk of ``victim``'s prefill at its start (``held`` set) until ``release`` is set: core work
+    arriving meanwhile finds that chunked prefill in flight, whatever the machine's speed. Then the step of its
+    prefill from the start again (its resume) is held too (``resuming`` set) until ``resume`` is set."""
+
+    def __init__(self, config: SwitchyardConfig, victim: str) -> None:
+        super().__init__(config)
+        self.kv = HeldChunkKV(self)
+        self.victim = victim
+        self.joined, self.held, self.release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.resuming, self.resume = asyncio.Event(), asyncio.Event()
+
+    async def execute_model(self, batch):  # type: ignore[no-untyped-def]
+        computed = [req.num_computed_tokens for req, _ in batch.prefill if req.request_id == self.victim]
+        if not batch.prefill:
+            await self.joined.wait()
+        elif computed and computed[0] > 0 and not self.held.is_set():
+            self.held.set()
+            await self.release.wait()
+        elif computed and computed[0] == 0 and self.held.is_set() and not self.resuming.is_set():
+            self.resuming.set()
+            await self.resume.wait()
+        return await super().execute_model(batch)
+
+
+async def test_core_work_preempting_a_chunked_prefill_mid_step_frees_the_victims_kv_once_and_it_resumes() -> None:
+    """A BATCH request's long prompt is prefilled in chunks beside a NORMAL request's decodes; a CORE request that
+    does not fit arrives while one of its chunks runs. The step loop admits the core request at once and preempts
+    the batch request mid-step (:meth:`SchedulerCore._preempt_mid_step`): out of the running set, its live KV (the
+    chunk step's allocation, :meth:`SchedulerCore._kv_bytes`) held in the budget until that step ends; then freed
+    once, and it waits again, resumes (recomputing its prefix), and finishes with all its tokens. At the end the
+    budget holds nothing: no reservation, no leaving bytes."""
+    long_prompt = PROMPT + " " + " ".join(["the context manager wraps the block"] * 40)
+    settings = {**FAST, "sim.prefix_caching": False, "scheduler.max_step_prefill_tokens": 32,
+                "scheduler.core_wait_before_preempt_ms": 0, "scheduler.core_preemption": "layer"}
+    async for h in serve(DispatcherService(make_config(**settings))):  # the prompts' lengths, as counted here
+        short = (await h.generate(max_tokens=1))[-1].done.usage.prompt_tokens
+        long = (await h.generate(prompt=long_prompt, max_tokens=1))[-1].done.usage.prompt_tokens
+    assert long > 4 * 32  # prefilled over several steps
+    # Room for the normal request (short + 16) and the batch one (long + 6) with 8 tokens to spare: not for the
+    # core request (short + 4) beside them, which fits once the batch request's unwritten blocks leave.
+    config = make_config(**settings, **kv_room_for(short + 16 + long + 6 + 8))
+    engine = HeldChunkSim(config, "victim")
+    service = DispatcherService(config, engine=engine)
+    budget = service.scheduler.kv_budget
+    assert budget is not None
+    per_token = budget.info.kv_bytes_per_token
+    async for h in serve(service):
+        normal_chunks: list[agent_pb2.GenerateChunk] = []
+
+        async def normal() -> None:
+            async for chunk in h.stub.Generate(agent_pb2.GenerateRequest(
+                    prompt=PROMPT, request_id="normal", max_tokens=16, priority=agent_pb2.NORMAL), timeout=30):
+                normal_chunks.append(chunk)
+
+        normal_call = asyncio.create_task(normal())
+        await wait_until(lambda: any(c.HasField("token") for c in normal_chunks), "the normal request's first token")
+        victim_call = asyncio.create_task(h.generate(prompt=long_prompt, request_id="victim", max_tokens=6,
+                                                     priority=agent_pb2.BATCH))
+        await wait_until(lambda: service.scheduler.num_waiting == 1, "the batch request waiting")
+        engine.joined.set()  # the normal request decodes on: the batch request is admitted beside it
+        await wait_until(engine.held.is_set, "a later chunk of the batch request's prefill in flight")
+        [victim] = [r for r in service.scheduler.running if r.request_id == "victim"]
+        assert 0 < victim.num_computed_tokens < victim.prompt_tokens  # mid-prefill
+        allocated = victim.step_kv_bytes
+        assert allocated == (victim.num_computed_tokens + 32) * per_token  # this chunk's step allocation
+        core_call = asyncio.create_task(h.generate(request_id="core", max_tokens=4, priority=agent_pb2.CORE))
+        await wait_until(lambda: victim.status is RequestStatus.PREEMPTING, "the batch request preempted mid-step")
+        assert service.scheduler.preempting == [victim] and [r.request_id for r in service.scheduler.running] == [
+            "normal", "core"]
+        assert victim.kv_leaving_bytes == allocated == budget.leaving_bytes  # held until the step ends
+        assert engine.kv.frees["victim"] == 0  # not freed while the step in flight writes it
+        engine.release.set()
+        await wait_until(engine.resuming.is_set, "the batch request's prefill from the start again (its resume)")
+        assert victim.status is RequestStatus.RUNNING and victim.preemptions == 1
+        assert engine.kv.frees["victim"] == 1 and budget.leaving_bytes == 0 and victim.kv_leaving_bytes == 0
+        engine.resume.set()
+        core, batch = await core_call, await victim_call
+        await normal_call
+    assert every_token(core, 4) and every_token(batch, 6) and every_token(normal_chunks, 16)
+    assert batch[-1].done.preemptions == 1 and core[-1].done.flush_reason == agent_pb2.PREEMPT
+    assert engine.kv.frees == {"normal": 1, "core": 1, "victim": 2}  # the preemption's, then its end's
+    assert (budget.reserved_bytes, budget.leaving_bytes, budget.restoring_bytes, budget.held_bytes) == (0, 0, 0, 0)
+    assert victim.step_kv_bytes == 0 and victim.kv_reserved_bytes == 0
 
 
 # --------------------------------------------------------------------------- stream engines
