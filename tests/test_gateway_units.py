@@ -11,7 +11,7 @@ from gateway_fixtures import clean_proxy_env  # noqa: F401
 
 from switchyard.gateway.classify import error_for_status
 from switchyard.gateway.decode import StreamDecoder
-from switchyard.gateway.errors import GatewayError, StreamBroken, StreamProtocolError
+from switchyard.gateway.errors import ContextWindowExceeded, GatewayError, StreamBroken, StreamProtocolError
 from switchyard.gateway.events import Finished, Reasoning, Token, ToolCallOut, Usage
 from switchyard.gateway.keys import NO_KEY, ApiKey
 from switchyard_harness.faults import Fault, parse_fault, parse_flag, split_model
@@ -382,7 +382,7 @@ def test_stream_shapes_seen_in_the_wild_decode(case):
 @pytest.mark.parametrize("error, kind, code", [
     # vLLM: the request's own fault, inside the stream (its status in "code")
     ({"message": "This model's maximum context length is 10 tokens", "type": "BadRequestError", "code": 400},
-     "BadUpstreamRequest", grpc.StatusCode.INVALID_ARGUMENT),
+     "ContextWindowExceeded", grpc.StatusCode.INVALID_ARGUMENT),  # a BadUpstreamRequest
     ({"message": "bad", "code": "422"}, "BadUpstreamRequest", grpc.StatusCode.INVALID_ARGUMENT),
     ({"message": "too long", "type": "invalid_request_error", "code": None},  # OpenAI: by its type
      "BadUpstreamRequest", grpc.StatusCode.INVALID_ARGUMENT),
@@ -430,6 +430,33 @@ def test_a_request_too_long_for_the_context_is_its_own_fault_whatever_status_it_
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT, str(caught.value)
     assert not caught.value.retryable and not caught.value.fallback_ok
     assert "does not fit model 'm''s context window" in str(caught.value)
+
+
+@pytest.mark.parametrize("body, counted", [
+    ("This model's maximum context length is 2048 tokens. However, you requested 2301 tokens (601 in the messages, "
+     "1700 in the completion). Please reduce the length of the messages or completion.", 601),  # vLLM 0.x
+    ("This model's maximum context length is 2048 tokens. However, you requested 2100 tokens in the messages, Please "
+     "reduce the length of the messages.", 2100),  # vLLM 0.x, the prompt alone past the window
+    ("'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum context length is 4096 tokens "
+     "and your request has 2778 input tokens (8000 > 4096 - 2778).", 2778),  # vLLM
+    ("This model's maximum context length is 128000 tokens. However, your messages resulted in 130512 tokens. Please "
+     "reduce the length of the messages.", 130512),  # the OpenAI API
+    ("The decoder prompt (length 8193) is longer than the maximum model length of 8192.", 8193),  # vLLM's V1 engine
+    ("The input (9000 tokens) is longer than the model's context length (8192 tokens).", 9000),  # SGLang
+    ("Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 4000 `inputs` tokens and "
+     "200 `max_new_tokens`", 4000),  # TGI
+    ("prompt is too long: 210000 tokens > 200000 maximum", 210000),  # Anthropic
+    ('{"error": {"code": 400, "message": "the request exceeds the available context size, try increasing it", "type": '
+     '"exceed_context_size_error", "n_prompt_tokens": 5000, "n_ctx": 4096}}', 5000),  # llama.cpp
+    ("litellm.ContextWindowExceededError: context window exceeded", None),  # no count said
+], ids=["vllm_messages", "vllm_prompt_alone", "vllm_input_tokens", "openai", "vllm_v1", "sglang", "tgi", "anthropic",
+        "llama_cpp", "litellm"])
+def test_a_refusal_too_long_for_the_context_carries_the_servers_count_of_the_prompt_where_it_says_it(body, counted):
+    """The dispatcher learns the server's tokens per counted one from it (a first call refused so teaches the
+    ratio a usage would): the count each server's words give, None where they give none."""
+    err = error_for_status(400, body, {}, url="http://h/v1/chat/completions", model="m", key=NO_KEY)
+    assert isinstance(err, ContextWindowExceeded) and err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.server_prompt_tokens, err.model) == (counted, "m")
 
 
 @pytest.mark.parametrize("status, code", [(500, grpc.StatusCode.INVALID_ARGUMENT), (503, grpc.StatusCode.UNAVAILABLE),

@@ -163,3 +163,40 @@ def test_a_call_the_fallback_model_answered_teaches_nothing_of_the_model_asked(c
     counted_here = Request(request_id="r", prompt="p", prompt_tokens=1000, model="big")  # the dispatcher's count
     engine._learn_prompt_tokens(counted_here, 5000, "big")
     assert engine.prompt_token_ratio("big") == 2.0 and counted_here.prompt_token_ratio == 2.0
+
+
+async def test_a_first_call_past_the_servers_count_of_the_window_is_named_and_teaches_the_ratio(clean_proxy_env):
+    """No ratio measured yet (the model's first call): a prompt that fits the 2,048-token window at the caller's
+    count (300 tokens, beside max_tokens 1,700) but not at the server's (its 600 words) goes to the server, which
+    refuses it 400 in vLLM's words. The refusal is INVALID_ARGUMENT naming the server's words, the caller's count
+    that the dispatcher's check let by and why (no ratio measured), and the server's count; that count teaches the
+    ratio, as a usage does, so the same call again is refused by the dispatcher, naming prompt_tokens and the
+    server's count, and the server never sees it."""
+    from test_context_window import MODEL, dispatcher_before
+
+    prompt = "word " * 600
+    call = agent_pb2.GenerateRequest(request_id="first", prompt=prompt, prompt_tokens=300, max_tokens=1700)
+    async with dispatcher_before(2048) as (_, _, stub, sim):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in stub.Generate(call):
+                pass
+        assert len(sim.state.requests) == 1  # the server refused it
+        first = refused.value.details()
+        described = await stub.DescribeModel(agent_pb2.DescribeModelRequest())
+        sent = len(sim.state.requests)
+        call.request_id = "again"
+        with pytest.raises(grpc.aio.AioRpcError) as again:
+            async for _ in stub.Generate(call):
+                pass
+        assert len(sim.state.requests) == sent  # refused here, not sent
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "This model's maximum context length is 2048 tokens" in first, first  # the server's words
+    assert "does not fit model 'acme/served-8b''s context window" in first
+    assert ("the dispatcher's window check let it by at prompt_tokens 300 (the caller's count) beside max_tokens 1700 "
+            "(no ratio of the server's tokens to the count was measured for 'acme/served-8b' yet)") in first
+    assert "the server counted the prompt 601 tokens, 2.00 per counted token, now measured" in first, first
+    assert dict(described.prompt_token_ratios) == pytest.approx({MODEL: 601 / 300})
+    assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert again.value.details().startswith("max_tokens: expected prompt_tokens + max_tokens within the context "
+                                            "window of acme/served-8b"), again.value.details()
+    assert "the prompt is 300 tokens (about 601 of the model server's)" in again.value.details()

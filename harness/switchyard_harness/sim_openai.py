@@ -88,7 +88,8 @@ class SimOpenAIOptions:
     """``owned_by`` of every model in ``GET /v1/models`` (``vllm``, ``sglang``... to stand in for a server flavour)."""
     max_model_len: int = 0
     """``max_model_len`` of every model in ``GET /v1/models`` (vLLM's and SGLang's context window); 0: not
-    listed (as ``transformers serve``, TGI and the OpenAI API list none)."""
+    listed (as ``transformers serve``, TGI and the OpenAI API list none). A chat completion whose prompt (this
+    server's count: word pieces) and ``max_tokens`` do not fit it is answered 400 in vLLM's words."""
     refuse_fields: frozenset[str] = frozenset()
     """Body fields answered with 422 "Unexpected fields in the request: {...}", as ``transformers serve``
     answers fields it does not take (``priority``)."""
@@ -468,6 +469,8 @@ class SimOpenAI:
         reply = (plan.reply(f"call_{uuid.uuid4().hex[:24]}") if plan
                  else plan_reply("", messages, _tools(body.get("tools") or [])))
         prompt_tokens = sum(len(word_pieces(m.content)) for m in messages)
+        if (past := self._past_window(body, prompt_tokens)) is not None:
+            return past
         stream = bool(body.get("stream"))
         if stream != fault.mismatch:
             limit = self.options.max_streams
@@ -485,6 +488,25 @@ class SimOpenAI:
                 media_type=None if fault.stream_type == "none" else fault.stream_type,
             )
         return JSONResponse(await self._completion(body, model, reply, prompt_tokens, messages))
+
+    def _past_window(self, body: dict[str, Any], prompt_tokens: int) -> JSONResponse | None:
+        """vLLM's 400 for a request past ``max_model_len`` (its prompt, as this server counts it, and its
+        ``max_tokens``), in its words and error shape (``serving_engine._validate_input``); None when it fits or no
+        window is set."""
+        window = self.options.max_model_len
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 0
+        max_tokens = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else 0
+        if not window or prompt_tokens + max_tokens <= window:
+            return None
+        if prompt_tokens >= window:
+            message = (f"This model's maximum context length is {window} tokens. However, you requested "
+                       f"{prompt_tokens} tokens in the messages, Please reduce the length of the messages.")
+        else:
+            message = (f"This model's maximum context length is {window} tokens. However, you requested "
+                       f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+                       "completion). Please reduce the length of the messages or completion.")
+        return JSONResponse({"object": "error", "message": message, "type": "BadRequestError", "param": None,
+                             "code": 400}, status_code=400)
 
     # ------------------------------------------------------------------ bodies
 

@@ -20,6 +20,7 @@ from switchyard.common import envs, untrusted
 from switchyard.common.config import UpstreamConfig
 from switchyard.gateway.errors import (
     BadUpstreamRequest,
+    ContextWindowExceeded,
     EndpointNotFound,
     GatewayError,
     ProxyAuthRequired,
@@ -227,6 +228,30 @@ def too_long_for_context(body: str) -> bool:
     return bool(_TOO_LONG.search(body))
 
 
+_PROMPT_COUNTS = (
+    re.compile(r"\((\d+) in the messages"),  # vLLM 0.x, the OpenAI API of before: "(N in the messages, M in the completion)"
+    re.compile(r"requested (\d+) tokens in the messages"),  # vLLM 0.x, a prompt past the window alone
+    re.compile(r"your request has (\d+) input tokens"),  # vLLM: "'max_tokens' ... is too large: ... and your request has N"
+    re.compile(r"your messages resulted in (\d+) tokens"),  # the OpenAI API
+    re.compile(r"decoder prompt \(length (\d+)\)"),  # vLLM's V1 engine
+    re.compile(r"The input \((\d+) tokens\)"),  # SGLang: "The input (N tokens) is longer than the model's context length"
+    re.compile(r"Given: (\d+) `?inputs`? tokens"),  # TGI: "Given: N `inputs` tokens and M `max_new_tokens`"
+    re.compile(r"prompt is too long: (\d+) tokens"),  # Anthropic: "prompt is too long: N tokens > M maximum"
+    re.compile(r'"n_prompt_tokens"\s*:\s*(\d+)'),  # llama.cpp's exceed_context_size_error: n_prompt_tokens, n_ctx
+)
+"""Where a server's refusal of a prompt too long for the context window says how many tokens it counted the
+prompt (its tokenizer's, chat template included), in the words of each server :data:`_TOO_LONG` names."""
+
+
+def server_prompt_tokens(body: str) -> int | None:
+    """The prompt tokens a server counted, as its refusal of a request too long for the context window says
+    (:data:`_PROMPT_COUNTS`); None where it does not say (a proxy's words, LiteLLM's)."""
+    for pattern in _PROMPT_COUNTS:
+        if (found := pattern.search(body)) is not None:
+            return int(found.group(1))
+    return None
+
+
 def error_for_status(
     status: int | None, body: str, headers: Mapping[str, str], *, url: str, model: str, key: ApiKey,
     in_stream: bool = False, url_source: str = BASE_URL_KEY,
@@ -265,9 +290,9 @@ def error_for_status(
     if refused_or_failed and too_long_for_context(body):
         # the request's own fault whatever status it came with: LiteLLM's proxy relays every error inside a stream
         # as "code": "500" (a broken stream, retried and sent to the fallback model); a 5xx proxy page says so too
-        return BadUpstreamRequest(
+        return ContextWindowExceeded(
             f"{head}: the request does not fit model {model!r}'s context window; shorten the prompt or lower "
-            "max_tokens; not retried"
+            "max_tokens; not retried", server_prompt_tokens(body), model
         )
     if in_stream and (status is None or status == 408 or (status >= 500 and status not in OVERLOADED_STATUSES)):
         return UpstreamStreamError(head)

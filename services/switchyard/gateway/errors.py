@@ -134,6 +134,23 @@ class BadUpstreamRequest(GatewayError):
     fallback_ok = False
 
 
+class ContextWindowExceeded(BadUpstreamRequest):
+    """The upstream refused the call as too long for the model's context window
+    (:func:`~switchyard.gateway.classify.too_long_for_context`), under whatever status it came with.
+
+    Args:
+        message: what the upstream said, and the fix.
+        server_prompt_tokens: the prompt as the server counted it, where its words say
+            (:func:`~switchyard.gateway.classify.server_prompt_tokens`); None where they do not.
+        model: the upstream model id the call was sent as (the one whose window it is).
+    """
+
+    def __init__(self, message: str, server_prompt_tokens: int | None = None, model: str = "") -> None:
+        super().__init__(message)
+        self.server_prompt_tokens = server_prompt_tokens
+        self.model = model
+
+
 class UpstreamRateLimited(GatewayError):
     """429: the upstream is rate limiting this key or model."""
 

@@ -30,7 +30,7 @@ from switchyard.dispatcher.metrics import PROMPT_TOKEN_RATIO
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
 from switchyard.dispatcher.scheduler.capacity import StreamSlots
 from switchyard.gateway.client import GatewayClient
-from switchyard.gateway.errors import EndpointNotFound, GatewayError
+from switchyard.gateway.errors import ContextWindowExceeded, EndpointNotFound, GatewayError
 from switchyard.gateway import events
 from switchyard.gateway import models as model_names
 from switchyard.gateway.keys import load_api_key, require_usable
@@ -302,23 +302,54 @@ class OpenAIEngine(StreamEngine):
         """
         request = chat_request(req)
         estimated = 0  # the completion tokens, where the server counts none
-        async for event in self.client.stream_chat(request):
-            estimated += events.estimated_tokens(event)
-            if isinstance(event, events.Token):
-                yield event.text
-            elif isinstance(event, events.Reasoning):
-                yield Reasoning(event.text)
-            elif isinstance(event, events.ToolCallOut):
-                yield ToolCall(event.call_id, event.name, event.arguments_json)
-            elif isinstance(event, events.Finished):
-                usage = event.usage
-                self._learn_prompt_tokens(req, usage.prompt_tokens if usage else 0, event.model)
-                yield Usage(
-                    prompt_tokens=usage.prompt_tokens if usage and usage.prompt_tokens else req.prompt_tokens,
-                    completion_tokens=usage.completion_tokens if usage and usage.completion_tokens else estimated,
-                    finish_reason=event.finish_reason or None,  # read as one of OpenAI's by the gateway
-                    model=event.model,
-                )
+        try:
+            async for event in self.client.stream_chat(request):
+                estimated += events.estimated_tokens(event)
+                if isinstance(event, events.Token):
+                    yield event.text
+                elif isinstance(event, events.Reasoning):
+                    yield Reasoning(event.text)
+                elif isinstance(event, events.ToolCallOut):
+                    yield ToolCall(event.call_id, event.name, event.arguments_json)
+                elif isinstance(event, events.Finished):
+                    usage = event.usage
+                    self._learn_prompt_tokens(req, usage.prompt_tokens if usage else 0, event.model)
+                    yield Usage(
+                        prompt_tokens=usage.prompt_tokens if usage and usage.prompt_tokens else req.prompt_tokens,
+                        completion_tokens=usage.completion_tokens if usage and usage.completion_tokens else estimated,
+                        finish_reason=event.finish_reason or None,  # read as one of OpenAI's by the gateway
+                        model=event.model,
+                    )
+        except ContextWindowExceeded as exc:
+            self._refused_past_window(req, exc)
+            raise
+
+    def _refused_past_window(self, req: Request, exc: ContextWindowExceeded) -> None:
+        """The server refused ``req`` as too long for its model's context window, a prompt the dispatcher's
+        check let by at its count (a first call of the model, before any ratio of the server's tokens to the
+        caller's count was measured; or a ratio measured below this prompt's): the count the server's words give
+        (:attr:`ContextWindowExceeded.server_prompt_tokens`) teaches the model's ratio as a usage does
+        (:meth:`_learn_prompt_tokens`), so that the next prompt past the window is refused before it is sent, in
+        the dispatcher's words; and the error says both counts, and why the check let it by."""
+        served = exc.server_prompt_tokens
+        before = self.token_ratios.ratio(req.model, unmeasured=0.0)
+        if served:
+            self._learn_prompt_tokens(req, served, exc.model or self.client.models_for(req.model)[0])
+        counted = (f"prompt_tokens {req.prompt_tokens} (the caller's count)" if req.prompt_tokens_sent
+                   else f"prompt_tokens {req.prompt_tokens} (the dispatcher's own count: the caller sent none)")
+        measured = (f"the server's tokens per counted one measured for {req.model!r} before: {before:.2f}" if before
+                    else f"no ratio of the server's tokens to the count was measured for {req.model!r} yet")
+        note = f"the dispatcher's window check let it by at {counted} beside max_tokens {req.max_tokens} ({measured})"
+        if served:
+            note += f"; the server counted the prompt {served} tokens"
+            after = self.token_ratios.ratio(req.model, unmeasured=0.0)
+            if after and after != before:
+                note += (f", {after:.2f} per counted token, now measured for {req.model!r}: a prompt past the "
+                         "window is refused before it is sent")
+        else:
+            note += ("; its server counts the prompt with its own tokenizer, and the ratio is learnt from the calls it "
+                     "answers with usage")
+        exc.with_note(note)
 
     def refused_for_load(self, exc: BaseException) -> bool:
         """The upstream refused the call for load (a 429 or 503: :attr:`GatewayError.refuses_load`, the rule
