@@ -890,9 +890,12 @@ async def test_compute_score_is_refreshed_while_the_engine_idles() -> None:
     engine = SimEngine(config)
     sched = make_scheduler(nvml=nvml, engine=engine, score_sample_interval_ms=10)
     sched.schedule(now=0.0)
-    busy = metric("switchyard_compute_score")
     loop = StepLoop(config, engine, sched)
     loop.start()
+    # read once the loop publishes its scheduler's monitor: before, the process-wide gauge showed whatever an
+    # earlier test's loop or report left there (0 when this test ran alone, and the gauge could not fall below it)
+    busy = metric("switchyard_compute_score")
+    assert busy > 0  # the busy GPU's score, this scheduler's own
     nvml.gpu = nvml.memory = 0  # the GPU went idle; nothing is scheduled
     for _ in range(100):
         await asyncio.sleep(0.01)
