@@ -50,12 +50,13 @@ async def test_the_locustfile_sends_the_bearer_token_of_switchyard_auth_token_or
             asyncio.to_thread(run_locust, host, tmp_path / "file", {**env, "SWITCHYARD_AUTH_TOKEN": "tok-wrong"},
                               "--token-file", str(token_file)))
     assert none.returncode == 1  # every request refused: 401
-    submit = none_stats["/api/v1/agent/submit"]
-    assert int(submit["Request Count"]) > 0 and submit["Failure Count"] == submit["Request Count"]
+    refused = none_stats["Aggregated"]  # whichever routes its users reached before the stop
+    assert int(refused["Request Count"]) > 0 and refused["Failure Count"] == refused["Request Count"], none_stats
 
-    # Each run with a token: every request it made was let in, whichever of the two user kinds its 4 users drew (on a
-    # loaded machine all four can draw the streaming user and still be streaming when the 3 s end, so a run may
-    # record no submit, or no stream); the run without one shows both routes refused.
+    # Each run: every request it made was let in (or, without a token, refused), whichever route it was. A route's
+    # own row is there only if one of its requests ended within the 3 s: on a loaded machine a run's users can
+    # start late and all still wait on their first answer at the stop, which locust does not count (CI: KeyError
+    # '/api/v1/agent/submit'), so the Aggregated row is read.
     assert by_env.returncode == 0, by_env.stdout + by_env.stderr
     assert int(env_stats["Aggregated"]["Request Count"]) > 0, env_stats
     assert int(env_stats["Aggregated"]["Failure Count"]) == 0, env_stats
@@ -114,8 +115,9 @@ async def test_a_host_with_a_trailing_slash_reaches_the_routes(tmp_path):
         host = str(client.base_url).rstrip("/") + "/"
         run, stats = await asyncio.to_thread(run_locust, host, tmp_path, dict(os.environ))
     assert run.returncode == 0, run.stdout + run.stderr
-    submit = stats["/api/v1/agent/submit"]
-    assert int(submit["Request Count"]) > 0 and int(submit["Failure Count"]) == 0, submit
+    # every request reached its route (a 404 is a failure), whichever routes ended a request within the run
+    answered = stats["Aggregated"]
+    assert int(answered["Request Count"]) > 0 and int(answered["Failure Count"]) == 0, stats
     assert not any(name.startswith("//") for name in stats)
 
 
