@@ -476,7 +476,9 @@ async def test_full_orchestration_queue_rejects_naming_queue():
         while not down.requests:  # the first task holds the only worker, inside Generate
             await asyncio.sleep(0.01)
         second = asyncio.create_task(collect(stub, payload="two", task_type="chat"))
-        await asyncio.sleep(0.1)  # the second waits in the queue (capacity 1)
+        queue = down.orchestrator._deps.queue
+        while not queue.depth:  # the second waits in the queue (capacity 1); a fixed 0.1 s was not always enough
+            await asyncio.sleep(0.01)  # on a loaded machine for its call to arrive, and the third took the place
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(stub, payload="three", task_type="chat")
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -561,8 +563,12 @@ async def test_a_task_cancelled_while_streaming_keeps_its_first_token_and_the_ti
             if down.requests:
                 break
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)  # tokens are streaming
-        running = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="cut-1"))
+        await asyncio.sleep(0.3)  # the inference stage runs on: at least this long by the cancel
+        for _ in range(200):  # tokens are streaming (on a loaded machine the first may reach the task after 0.3 s)
+            running = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="cut-1"))
+            if running.timings.ttft_s > 0:
+                break
+            await asyncio.sleep(0.02)
         assert running.state == agent_pb2.RUNNING and running.timings.ttft_s > 0  # shown while it runs too
         await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="cut-1"))
         for _ in range(200):
