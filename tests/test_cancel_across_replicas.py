@@ -192,13 +192,17 @@ async def test_a_cancel_of_a_task_refused_while_it_waits_is_not_found(tmp_path):
     # record it had read before, QUEUED, for a task that no longer exists.
     settings = {**store_settings("sqlite", tmp_path, None), "orchestrator.max_unfinished_submitted_tasks": 1}
     async with two_replicas(settings) as (holder, other, down, holder_service):
-        create, created = holder_service.tasks.create, asyncio.Event()
+        create, created, first_taken = holder_service.tasks.create, asyncio.Event(), asyncio.Event()
 
         async def create_then_wait(task_id, *args, **kwargs):
             answer = await create(task_id, *args, **kwargs)
             if task_id == "late-1":
                 created.set()
-                await asyncio.sleep(0.8)  # "first-1" takes the backlog's one place meanwhile
+                # "first-1" takes the backlog's one place meanwhile (a fixed 0.8 s here let a loaded machine's
+                # slower SubmitTask of first-1 lose the place to late-1), and the cancel, asked of the other
+                # replica, reads late-1's record while it is still there
+                await first_taken.wait()
+                await asyncio.sleep(0.5)
             return answer
 
         holder_service.tasks.create = create_then_wait
@@ -207,6 +211,7 @@ async def test_a_cancel_of_a_task_refused_while_it_waits_is_not_found(tmp_path):
         await created.wait()
         await holder.SubmitTask(agent_pb2.RunTaskRequest(task_id="first-1", payload="hello", task_type="chat"))
         cancel = asyncio.ensure_future(other.CancelTask(agent_pb2.CancelTaskRequest(task_id="late-1")))
+        first_taken.set()
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await late
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
