@@ -153,7 +153,10 @@ async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomp
     assert batch.recomputed_tokens == 0 and batch.restored_tokens == held
     assert metric("switchyard_tier_hits_total", tier="dram") == hits + 1
     assert metric("switchyard_kv_restored_tokens_total") == restored_before + held
-    await asyncio.sleep(0.05)  # the background delete of the restored copy
+    for _ in range(500):  # the background delete of the restored copy (a fixed 0.05 s could pass before it ran)
+        if not await client.exists(sched.tiers.request_key(batch)):
+            break
+        await asyncio.sleep(0.01)
     assert not await client.exists(sched.tiers.request_key(batch))
     await sched.tiers.aclose()
 
