@@ -433,6 +433,10 @@ def _options(environment, **_kwargs) -> None:
     if options is not None and (problem := option_problem(options)):  # before the load
         print(f"locustfile: {problem}", file=sys.stderr)
         sys.exit(2)
+    # locust arms --run-time's timer on gevent's loop clock, which moves only when the loop runs: the loop had not
+    # run since locust's import, so the timer counted the import of this file (its Switchyard modules) as run
+    # time, and a loaded machine's 3 s run ended ~1 s after its start, or before a request came back
+    gevent.get_hub().loop.update_now()
     if options is not None:
         AgentUser.weight = options.submit_weight
         StreamingRunTaskUser.weight = options.streaming_weight
