@@ -281,6 +281,9 @@ def test_a_stream_the_server_failed_or_a_connection_cut_is_not_named_a_missing_e
 
         async def hang_up(reader, writer):
             head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)  # closed with the probe's body unread, the close would be an RST
             if head.startswith(b"GET"):  # the model list: the probe is what hangs up
                 body = b'{"object": "list", "data": [{"id": "claude-sonnet-4-5"}, {"id": "gpt-4o-mini"}]}'
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "

@@ -416,7 +416,7 @@ async def raw_upstream(head: bytes, body: bytes = b""):
     """A TCP server on 127.0.0.1 that answers every request with ``head`` then ``body``, and closes."""
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
+        await read_request(reader)  # its body too: a socket closed with bytes unread sends an RST, not a FIN
         writer.write(head + body)
         await writer.drain()
         writer.close()
@@ -565,7 +565,7 @@ async def hanging_up_upstream(how: str):
     posts = []
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
+        head = await read_request(reader)  # its body too: closed with bytes unread, a ``close`` would send an RST
         if head.startswith(b"GET"):
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
             await writer.drain()
