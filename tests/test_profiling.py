@@ -135,10 +135,18 @@ async def test_who_may_profile_loopback_by_default_tokens_elsewhere_never_when_o
         assert (await asyncio.to_thread(fetch, base + url, {"Authorization": "Bearer tok-ops-1"}))[0] == 200
 
 
-async def test_one_profile_at_a_time_and_seconds_is_checked():
+async def test_one_profile_at_a_time_and_seconds_is_checked(monkeypatch):
+    recording = asyncio.Event()  # the first profile holds the slot and records (a fixed 0.5 s let a loaded
+    record = LoopProfiler._record  # machine's second request arrive first: it got the slot, the first a 409)
+
+    async def recorded(self, seconds, stop):  # type: ignore[no-untyped-def]
+        recording.set()
+        return await record(self, seconds, stop)
+
+    monkeypatch.setattr(LoopProfiler, "_record", recorded)
     async with profiled_service() as base:
         first = asyncio.create_task(asyncio.to_thread(fetch, f"{base}/debug/pprof/profile?seconds=1.5"))
-        await asyncio.sleep(0.5)
+        await asyncio.wait_for(recording.wait(), 60)  # a bound on a hang, not a speed
         status, body, headers = await asyncio.to_thread(fetch_with_headers, f"{base}/debug/pprof/profile?seconds=1")
         assert status == 409 and b"already" in body and b"ends in" in body  # and when: its caller may be gone
         assert 1 <= int(headers["Retry-After"]) <= 2
