@@ -34,9 +34,11 @@ LAZY_ENTRY_POINTS = {ROOT / "services" / "switchyard" / "cli.py", ROOT / "servic
 _MODULE_PATH = re.compile(r"switchyard_harness(\.[A-Za-z_]\w*)*")
 
 
+@functools.cache
 def _module_file(name: str) -> Path | None:
     """The file of module ``name`` in this repository: a package's module, or a test helper
-    (a top-level name: ``tests/<name>.py`` or ``tests/harness/<name>.py``); None for anything else."""
+    (a top-level name: ``tests/<name>.py`` or ``tests/harness/<name>.py``); None for anything else.
+    Cached: each walk asks for the same few hundred names again, and the tree does not change in a run."""
     top, *rest = name.split(".")
     if top in PACKAGES:
         base = PACKAGES[top].joinpath(top, *rest)
