@@ -106,22 +106,27 @@ def test_the_locustfile_runs_headless_without_a_failure_and_writes_the_watched_f
             f"CANCELLED: cancelled by CancelTask while {row['state'].upper()}"), status
 
 
-def test_a_served_orchestrator_answers_a_cpu_profile_of_its_event_loop(up):
+@pytest.fixture(scope="module")
+def orchestrator_profile(up) -> bytes:
+    """One 1-second CPU profile of the served orchestrator's event loop, as the field's curl fetches it (the two
+    tests below read the same bytes: a second fetch would only add its second)."""
     url = up.metrics_url("orchestrator").rsplit("/metrics", 1)[0] + "/debug/pprof/profile?seconds=1"
     with urllib.request.urlopen(url, timeout=60) as reply:
-        profile = read_pprof(reply.read())
+        return reply.read()
+
+
+def test_a_served_orchestrator_answers_a_cpu_profile_of_its_event_loop(orchestrator_profile):
+    profile = read_pprof(orchestrator_profile)
     names = [row.filename for row in top_functions(profile)]
     assert any("switchyard" in name for name in names)
     assert profile.duration_nanos >= 0.9e9
 
 
-def test_a_saved_profile_is_read_back_by_switchyard_profile(up, tmp_path):
+def test_a_saved_profile_is_read_back_by_switchyard_profile(orchestrator_profile, tmp_path):
     """The field's curl writes the profile to a file; ``switchyard profile FILE`` prints its top functions and
     GC pauses without asking a service again (before, FILE was taken for a service name and refused)."""
-    url = up.metrics_url("orchestrator").rsplit("/metrics", 1)[0] + "/debug/pprof/profile?seconds=1"
     saved = tmp_path / "agent_cpu.pprof"
-    with urllib.request.urlopen(url, timeout=60) as reply:
-        saved.write_bytes(reply.read())
+    saved.write_bytes(orchestrator_profile)
     run = subprocess.run([sys.executable, "-m", "switchyard.cli", "profile", str(saved), "--top", "5"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
