@@ -167,7 +167,7 @@ def test_the_stack_gets_its_own_redis_and_takes_documented_set_keys(tmp_path) ->
     with start_sim() as sim:
         run = subprocess.run(
             [sys.executable, "-m", "switchyard.cli", "bench", "upstream", "--base-url", sim.base_url, "--model",
-             "sim-7b", "--phase-s", "0.4", "--rounds", "1", "--settle-s", "0.2", "--max-tokens", "4",
+             "sim-7b", "--phase-s", "0.2", "--rounds", "1", "--settle-s", "0.1", "--max-tokens", "4",
              "--config-dir", str(Path(__file__).resolve().parents[2] / "config"),
              "--set", "model_gateway.concurrency.initial_limit=2",
              # the orchestrator's CPU work on its event loop, as orchestrator_config's: its spawn pool is not
