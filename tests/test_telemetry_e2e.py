@@ -4,7 +4,6 @@ receiver, linked parent to child across process boundaries; metrics scraped afte
 from __future__ import annotations
 
 import urllib.request
-from pathlib import Path
 
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
@@ -21,28 +20,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.no_gpu]
 
 SERVICES = ("orchestrator", "retrieval", "dispatcher")
 SERVER, CLIENT = trace_pb2.Span.SPAN_KIND_SERVER, trace_pb2.Span.SPAN_KIND_CLIENT
-DOCS = {
-    "with.md": "# The with statement\n\nThe with statement wraps a block with methods of a context manager: "
-    "__enter__ runs before the block and __exit__ after it, even when the block raises.\n",
-    "for.md": "# The for statement\n\nThe for statement iterates over the elements of a sequence or other "
-    "iterable object, running its suite once per item; break leaves the loop early.\n",
-    "calc.md": "# Arithmetic\n\nPython evaluates 12*(3+4) as 84: parentheses first, then multiplication.\n",
-}
-
-
-@pytest.fixture(scope="module")
-def small_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from switchyard.common.config import load_config
-    from switchyard.retrieval.indexer import build_index
-
-    docs = tmp_path_factory.mktemp("docs")
-    for name, text in DOCS.items():
-        (docs / name).write_text(text)
-    out = tmp_path_factory.mktemp("small-index")
-    build_index([str(docs)], out, load_config(Path(__file__).resolve().parents[1] / "config"), progress=False)
-    return out
-
-
 @pytest.fixture(scope="module")
 def receiver():
     with OtlpReceiver() as r:
@@ -50,8 +27,9 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
-def stack(small_index, receiver):
-    s = UpStack(small_index, env={
+def stack(pydoc_index_dir, receiver):
+    """`switchyard up` on the session's default index (a copy, not an index of its own to embed and export)."""
+    s = UpStack(pydoc_index_dir, env={
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
         "OTEL_BSP_SCHEDULE_DELAY": "100",  # export every 100 ms instead of 5 s
     })
