@@ -83,6 +83,12 @@ from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError, 
 from switchyard.serve import service_section
 
 ORDER = ("retrieval", "dispatcher", "orchestrator")
+START_POLL_S = 0.05
+"""How often, while the stack starts, each service's port file and health are looked at (seconds): each service
+is seen ready within this of answering SERVING (at 0.2 s, 0.1 s later on average, service after service)."""
+WATCH_POLL_S = 0.05
+"""How often the running stack looks for a stop asked for (SIGTERM, Ctrl-C) and for a process of its own that
+exited (seconds): a few system calls a turn; at 0.2 s every stop waited 0.1 s on average for its turn."""
 
 
 @dataclass
@@ -386,7 +392,7 @@ def main(argv: list[str]) -> int:
               "port (0 picks one)", file=sys.stderr)
         return 1
 
-    stopping = False
+    stopping = False  # SIGTERM or SIGINT: a flag, no lock (the handler runs in this thread, between its bytecodes)
 
     def on_signal(signum: int, _frame: object) -> None:
         nonlocal stopping
@@ -448,7 +454,7 @@ def main(argv: list[str]) -> int:
                               "(--ready-timeout): raise it if the service was still starting (see its log above)",
                               file=sys.stderr)
                         return 1
-                    time.sleep(0.2)
+                    time.sleep(START_POLL_S)
         lines = ["switchyard up: all services healthy"]
         for child in services:
             lines.append(f"  {child.name:<13} {host}:{child.port:<6} metrics http://{host}:{child.metrics_port}/metrics "
@@ -487,7 +493,7 @@ def main(argv: list[str]) -> int:
                 print(f"switchyard up: {child.name} exited with status {child.proc.returncode}; "
                       "stopping the others", file=sys.stderr)
                 return 1
-            time.sleep(0.2)
+            time.sleep(WATCH_POLL_S)
         return 0
     finally:
         print("switchyard up: stopping", flush=True)
