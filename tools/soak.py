@@ -110,7 +110,7 @@ class Stack:
         while not healthy(f"127.0.0.1:{self.ports[name][0]}", GRPC_SERVICES[name]):
             if self.procs[name].poll() is not None or time.monotonic() > end:
                 raise RuntimeError(f"{name} did not start; see {self.workdir / 'services.log'}")
-            time.sleep(0.3)
+            time.sleep(0.05)  # as switchyard up's start (launcher.START_POLL_S): ready as soon as it answers
 
     def start(self) -> None:
         self.procs["upstream"] = subprocess.Popen(
