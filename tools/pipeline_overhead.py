@@ -277,8 +277,8 @@ class _Server:
         from switchyard_harness.bench.loadgen import LoadPlan, run_load
 
         host, items = f"127.0.0.1:{self.port}", parse_calldata(CHAT)
-        if warm:
-            run_load(LoadPlan(host=host, calldata=items, total=200, concurrency=concurrency), in_process=False)
+        if warm:  # not measured: in this process (the servers are the children measured), not a client spawned for it
+            run_load(LoadPlan(host=host, calldata=items, total=200, concurrency=concurrency), in_process=True)
             return
         before, each_before = self._cpu_seconds(), [_cpu_seconds(p.pid) or 0.0 for p in self.processes]
         load = run_load(LoadPlan(host=host, calldata=items, duration_s=seconds, concurrency=concurrency),
