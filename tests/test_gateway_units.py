@@ -449,8 +449,18 @@ def test_a_request_too_long_for_the_context_is_its_own_fault_whatever_status_it_
     ('{"error": {"code": 400, "message": "the request exceeds the available context size, try increasing it", "type": '
      '"exceed_context_size_error", "n_prompt_tokens": 5000, "n_ctx": 4096}}', 5000),  # llama.cpp
     ("litellm.ContextWindowExceededError: context window exceeded", None),  # no count said
+    # the OpenAI API with functions (tools): the prompt is the messages and the functions, as its usage counts it,
+    # not the messages' part alone (the first number in parentheses)
+    ("This model's maximum context length is 8192 tokens. However, you requested 8213 tokens (6683 in the messages, "
+     "730 in the functions, and 800 in the completion). Please reduce the length of the messages, functions, or "
+     "completion.", 7413),
+    ("This model's maximum context length is 128000 tokens. However, your messages resulted in 202868 tokens (202767 "
+     "in the messages, 101 in the functions). Please reduce the length of the messages or functions.", 202868),
+    ('{"error": {"message": "litellm.BadRequestError: OpenAIException - This model\'s maximum context length is 8192 '
+     'tokens. However, you requested 9455 tokens (2426 in the messages, 2933 in the functions, and 4096 in the '
+     'completion).", "code": "400"}}', 5359),  # the same behind LiteLLM, as JSON
 ], ids=["vllm_messages", "vllm_prompt_alone", "vllm_input_tokens", "openai", "vllm_v1", "sglang", "tgi", "anthropic",
-        "llama_cpp", "litellm"])
+        "llama_cpp", "litellm", "openai_functions_requested", "openai_functions_resulted", "litellm_openai_functions"])
 def test_a_refusal_too_long_for_the_context_carries_the_servers_count_of_the_prompt_where_it_says_it(body, counted):
     """The dispatcher learns the server's tokens per counted one from it (a first call refused so teaches the
     ratio a usage would): the count each server's words give, None where they give none."""

@@ -228,11 +228,17 @@ def too_long_for_context(body: str) -> bool:
     return bool(_TOO_LONG.search(body))
 
 
+_REQUESTED_BESIDE_COMPLETION = re.compile(
+    r"requested (\d+) tokens \(\d+ in the messages, [^)]*?\b(\d+) in the completion\)")
+"""vLLM 0.x's and the OpenAI API's "you requested T tokens (N in the messages, [F in the functions, and ]C in the
+completion)": the prompt is T - C, the messages and the functions (tools) both, as a usage counts it; N is only
+the messages' part of it."""
+
 _PROMPT_COUNTS = (
-    re.compile(r"\((\d+) in the messages"),  # vLLM 0.x, the OpenAI API of before: "(N in the messages, M in the completion)"
     re.compile(r"requested (\d+) tokens in the messages"),  # vLLM 0.x, a prompt past the window alone
     re.compile(r"your request has (\d+) input tokens"),  # vLLM: "'max_tokens' ... is too large: ... and your request has N"
-    re.compile(r"your messages resulted in (\d+) tokens"),  # the OpenAI API
+    # the OpenAI API; with functions (tools) "T tokens (N in the messages, F in the functions)": the prompt is T
+    re.compile(r"your messages resulted in (\d+) tokens"),
     re.compile(r"decoder prompt \(length (\d+)\)"),  # vLLM's V1 engine
     re.compile(r"The input \((\d+) tokens\)"),  # SGLang: "The input (N tokens) is longer than the model's context length"
     re.compile(r"Given: (\d+) `?inputs`? tokens"),  # TGI: "Given: N `inputs` tokens and M `max_new_tokens`"
@@ -245,7 +251,11 @@ prompt (its tokenizer's, chat template included), in the words of each server :d
 
 def server_prompt_tokens(body: str) -> int | None:
     """The prompt tokens a server counted, as its refusal of a request too long for the context window says
-    (:data:`_PROMPT_COUNTS`); None where it does not say (a proxy's words, LiteLLM's)."""
+    (:data:`_REQUESTED_BESIDE_COMPLETION`, :data:`_PROMPT_COUNTS`): the whole prompt, its functions (tools)
+    included where the words count them apart from the messages; None where they do not say (a proxy's words,
+    LiteLLM's)."""
+    if (found := _REQUESTED_BESIDE_COMPLETION.search(body)) is not None:
+        return int(found.group(1)) - int(found.group(2))
     for pattern in _PROMPT_COUNTS:
         if (found := pattern.search(body)) is not None:
             return int(found.group(1))
