@@ -216,6 +216,24 @@ def _choices(*choices: dict, **extra) -> str:
     return json.dumps({"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": list(choices), **extra})
 
 
+def test_a_message_after_the_deltas_is_the_answer_again_not_more_of_it():
+    """A whole completion framed as a stream's one chunk is read by its ``message`` (as ``delta``); a server that
+    streams deltas and then sends the answer so far as ``message`` (without ``delta``, or beside an empty one, at
+    its finish) sends no more text: read as a delta there, the answer was sent twice. The recorded stream
+    ``message_after_deltas.sse`` is the first shape; this is both."""
+    for last in ({"index": 0, "message": {"role": "assistant", "content": "Hello there!"}, "finish_reason": "stop"},
+                 {"index": 0, "delta": {}, "message": {"role": "assistant", "content": "Hello there!"},
+                  "finish_reason": "stop"}):
+        decoder = StreamDecoder("m")
+        fed = [_choices({"index": 0, "delta": {"role": "assistant", "content": "Hello"}, "finish_reason": None}),
+               _choices({"index": 0, "delta": {"content": " there!"}, "finish_reason": None}), _choices(last)]
+        events = [e for data in fed for e in decoder.feed(data)]
+        assert events + decoder.end() == [Token("Hello"), Token(" there!"), Finished("stop", None, "m", "finish_reason")]
+    alone = StreamDecoder("m")  # the whole completion as the stream's one chunk: its message is the answer
+    assert alone.feed(_choices({"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}
+                               )) == [Token("Hi")]
+
+
 def test_the_answer_is_the_choice_of_index_0_wherever_it_sits_in_a_chunk_or_a_whole_completion():
     """The decoder read ``choices[0]``: a server that sends another choice first (another index's piece, ordered as
     it likes) gave that choice's text as the answer's, and its finish_reason ended the answer; usage-only chunks

@@ -41,7 +41,9 @@ Shapes seen in the wild that are decoded too (each is a test case):
   other label, ``text/event-stream`` included (no ``data:`` line: the body decides, not its label): a server that
   ignores ``stream`` for some requests, or a caching proxy (:meth:`StreamDecoder.whole_answer`, ending
   ``whole_answer``); or that whole completion as the one ``data:`` event of a stream (its choice's ``message``
-  read where a chunk has ``delta``; read as an empty delta, the answer was dropped and an empty one finished);
+  read where a chunk has ``delta``; read as an empty delta, the answer was dropped and an empty one finished),
+  but not a ``message`` in a stream's later chunk, beside ``delta`` or without it (some servers end a stream with
+  the answer so far as ``message``): that is the streamed text again, not more of it;
 - an error inside a 200 stream as an object with ``error`` (vLLM, OpenAI; OpenRouter's beside a choice finishing
   ``error``, or inside that choice: :func:`carries_error`) or as an ``error`` event whose data
   is the bare error object (llama.cpp's ``error:`` field, :mod:`switchyard.gateway.sse`): classified by its status;
@@ -467,8 +469,13 @@ class StreamDecoder:
                 raise self._error(json.dumps({"error": choice["error"]}))
             if "usage" in choice:  # Moonshot (Kimi) sends its usage in the finish chunk's choice, not beside it
                 self.usage = _usage(choice["usage"]) or self.usage
-            # a whole completion framed as a chunk carries its choice's "message" where a chunk has "delta"
-            delta = choice.get("delta") or choice.get("message") or {}
+            delta = choice.get("delta")
+            if delta is None and self.choices_seen == 1:
+                # a whole completion framed as the stream's one chunk carries its choice's "message" where a chunk
+                # has "delta"; a "message" after deltas is the answer so far again (some servers end a stream with
+                # one), not more of it: read, the answer was sent twice
+                delta = choice.get("message")
+            delta = delta or {}
             if not isinstance(delta, dict):
                 raise StreamProtocolError(
                     f"error reading choices: stream chunk {self.chunks} has a 'delta' that is not an object: "
