@@ -477,8 +477,18 @@ def test_a_request_too_long_for_the_context_is_its_own_fault_whatever_status_it_
     ('{"error": {"message": "litellm.BadRequestError: OpenAIException - This model\'s maximum context length is 8192 '
      'tokens. However, you requested 9455 tokens (2426 in the messages, 2933 in the functions, and 4096 in the '
      'completion).", "code": "400"}}', 5359),  # the same behind LiteLLM, as JSON
+    ("This model's maximum context length is 16384 tokens. However, you requested 500 output tokens and your prompt "
+     "contains 16000 input tokens, for a total of 16500 tokens. Please reduce the length of the input prompt or the "
+     "number of requested output tokens. (parameter=input_tokens, value=16000)", 16000),  # vLLM's renderer
+    ("This model's maximum context length is 16384 tokens. However, you requested 8192 output tokens and your prompt "
+     "contains at least 16385 input tokens, for a total of at least 24577 tokens. Please reduce the length of the "
+     "input prompt or the number of requested output tokens. (parameter=input_tokens, value=16385)", None),  # a bound
+    ("Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of 5000 "
+     "tokens: 4000 tokens from the input messages and 1000 tokens for the completion. Please reduce the number of "
+     "tokens in the input messages or the completion to fit within the limit.", 4000),  # SGLang, prompt + max_tokens
 ], ids=["vllm_messages", "vllm_prompt_alone", "vllm_input_tokens", "openai", "vllm_v1", "sglang", "tgi", "anthropic",
-        "llama_cpp", "litellm", "openai_functions_requested", "openai_functions_resulted", "litellm_openai_functions"])
+        "llama_cpp", "litellm", "openai_functions_requested", "openai_functions_resulted", "litellm_openai_functions", "vllm_renderer",
+        "vllm_renderer_at_least", "sglang_total"])
 def test_a_refusal_too_long_for_the_context_carries_the_servers_count_of_the_prompt_where_it_says_it(body, counted):
     """The dispatcher learns the server's tokens per counted one from it (a first call refused so teaches the
     ratio a usage would): the count each server's words give, None where they give none."""

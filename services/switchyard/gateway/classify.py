@@ -237,10 +237,15 @@ the messages' part of it."""
 _PROMPT_COUNTS = (
     re.compile(r"requested (\d+) tokens in the messages"),  # vLLM 0.x, a prompt past the window alone
     re.compile(r"your request has (\d+) input tokens"),  # vLLM: "'max_tokens' ... is too large: ... and your request has N"
+    # vLLM since its renderer's length check: "you requested O output tokens and your prompt contains N input
+    # tokens"; its "contains at least N" is no count (the prompt tokenized only to past the window): not read
+    re.compile(r"your prompt contains (\d+) input tokens"),
     # the OpenAI API; with functions (tools) "T tokens (N in the messages, F in the functions)": the prompt is T
     re.compile(r"your messages resulted in (\d+) tokens"),
     re.compile(r"decoder prompt \(length (\d+)\)"),  # vLLM's V1 engine
     re.compile(r"The input \((\d+) tokens\)"),  # SGLang: "The input (N tokens) is longer than the model's context length"
+    # SGLang, the prompt fitting alone: "You requested a total of T tokens: N tokens from the input messages and M ..."
+    re.compile(r"(\d+) tokens from the input messages"),
     re.compile(r"Given: (\d+) `?inputs`? tokens"),  # TGI: "Given: N `inputs` tokens and M `max_new_tokens`"
     re.compile(r"prompt is too long: (\d+) tokens"),  # Anthropic: "prompt is too long: N tokens > M maximum"
     re.compile(r'"n_prompt_tokens"\s*:\s*(\d+)'),  # llama.cpp's exceed_context_size_error: n_prompt_tokens, n_ctx
