@@ -228,7 +228,8 @@ def test_a_message_after_the_deltas_is_the_answer_again_not_more_of_it():
         fed = [_choices({"index": 0, "delta": {"role": "assistant", "content": "Hello"}, "finish_reason": None}),
                _choices({"index": 0, "delta": {"content": " there!"}, "finish_reason": None}), _choices(last)]
         events = [e for data in fed for e in decoder.feed(data)]
-        assert events + decoder.end() == [Token("Hello"), Token(" there!"), Finished("stop", None, "m", "finish_reason")]
+        finished = Finished("stop", None, "m", "finish_reason")
+        assert events + decoder.end() == [Token("Hello"), Token(" there!"), finished]
     alone = StreamDecoder("m")  # the whole completion as the stream's one chunk: its message is the answer
     assert alone.feed(_choices({"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}
                                )) == [Token("Hi")]
@@ -486,9 +487,11 @@ def test_a_request_too_long_for_the_context_is_its_own_fault_whatever_status_it_
     ("Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of 5000 "
      "tokens: 4000 tokens from the input messages and 1000 tokens for the completion. Please reduce the number of "
      "tokens in the input messages or the completion to fit within the limit.", 4000),  # SGLang, prompt + max_tokens
+    ('{"object": "error", "message": "Prompt contains 40960 tokens and 0 draft tokens, too large for model with 32768 '
+     'maximum context length", "type": "invalid_request_message_error", "param": null}', 40960),  # Mistral
 ], ids=["vllm_messages", "vllm_prompt_alone", "vllm_input_tokens", "openai", "vllm_v1", "sglang", "tgi", "anthropic",
-        "llama_cpp", "litellm", "openai_functions_requested", "openai_functions_resulted", "litellm_openai_functions", "vllm_renderer",
-        "vllm_renderer_at_least", "sglang_total"])
+        "llama_cpp", "litellm", "openai_functions_requested", "openai_functions_resulted", "litellm_openai_functions",
+        "vllm_renderer", "vllm_renderer_at_least", "sglang_total", "mistral"])
 def test_a_refusal_too_long_for_the_context_carries_the_servers_count_of_the_prompt_where_it_says_it(body, counted):
     """The dispatcher learns the server's tokens per counted one from it (a first call refused so teaches the
     ratio a usage would): the count each server's words give, None where they give none."""

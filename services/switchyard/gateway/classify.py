@@ -247,6 +247,8 @@ _PROMPT_COUNTS = (
     # SGLang, the prompt fitting alone: "You requested a total of T tokens: N tokens from the input messages and M ..."
     re.compile(r"(\d+) tokens from the input messages"),
     re.compile(r"Given: (\d+) `?inputs`? tokens"),  # TGI: "Given: N `inputs` tokens and M `max_new_tokens`"
+    # Mistral's API: "Prompt contains N tokens and 0 draft tokens, too large for model with M maximum context length"
+    re.compile(r"Prompt contains (\d+) tokens and \d+ draft tokens"),
     re.compile(r"prompt is too long: (\d+) tokens"),  # Anthropic: "prompt is too long: N tokens > M maximum"
     re.compile(r'"n_prompt_tokens"\s*:\s*(\d+)'),  # llama.cpp's exceed_context_size_error: n_prompt_tokens, n_ctx
 )
