@@ -9,6 +9,7 @@ test session.
 from __future__ import annotations
 
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -16,6 +17,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "config"
+
+
+def pytest_sessionstart(session) -> None:
+    """Ctrl-C reaches the commands the tests start, however the suite itself was started. A process started in
+    the background by a shell without job control (``cmd &`` in a script, ``( cmd & )``) inherits SIGINT ignored,
+    and every process it starts keeps it ignored across exec: the tests that send a command SIGINT (as a
+    terminal's Ctrl-C) and wait for its exit 130 waited out their timeouts and failed. A handled signal is reset
+    to its default at exec, so the suite's own process handles it (Python's KeyboardInterrupt, as in a
+    terminal)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _current_default_index(config) -> Path | None:
