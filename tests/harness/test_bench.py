@@ -434,6 +434,37 @@ async def test_a_ghz_command_line_runs_unchanged_over_tls_with_metadata(pki, tmp
     assert all(m.get("authorization") == "Bearer t-1" for m in service.servicer.metadata)
 
 
+async def test_a_run_sends_the_bearer_token_as_switchyard_run_does(agent_server, tmp_path, monkeypatch, capsys):
+    """Against a stack with orchestrator.auth on, `bench run` read no SWITCHYARD_AUTH_TOKEN: every call was
+    UNAUTHENTICATED while `switchyard run`, `profile` and `bench http` were served with the same variable."""
+    addr, servicer = agent_server
+    base = ["run", "-d", '{"payload": "hello", "task_type": "chat"}', "-n", "2", "-c", "1", "--procs", "1",
+            "-O", "json", "-o", str(tmp_path / "r.json"), addr]
+    monkeypatch.setenv("SWITCHYARD_AUTH_TOKEN", "t-env")
+    assert await asyncio.to_thread(cli.main, base) == 0
+    token_file = tmp_path / "token"
+    token_file.write_text("t-file\n")
+    assert await asyncio.to_thread(cli.main, [*base, "--token-file", str(token_file)]) == 0
+    assert await asyncio.to_thread(cli.main, [*base, "-m", '{"authorization": "Bearer t-m"}']) == 0  # ghz's way wins
+    monkeypatch.setenv("MY_TOKEN", "t-other")
+    assert await asyncio.to_thread(cli.main, [*base, "--token-env", "MY_TOKEN"]) == 0
+    monkeypatch.delenv("SWITCHYARD_AUTH_TOKEN")
+    assert await asyncio.to_thread(cli.main, base) == 0
+    assert [m.get("authorization") for m in servicer.metadata] == (
+        ["Bearer t-env"] * 2 + ["Bearer t-file"] * 2 + ["Bearer t-m"] * 2 + ["Bearer t-other"] * 2 + [None] * 2)
+    capsys.readouterr()
+    for argv, says in [
+        ([*base, "--token-file", str(token_file), "-m", '{"authorization": "Bearer t-m"}'],
+         "names authorization too; give the token one way"),
+        ([*base, "--token-file", str(tmp_path / "missing")], f"--token-file {tmp_path / 'missing'}: cannot read it"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2, argv
+        assert says in capsys.readouterr().err, argv
+    assert len(servicer.metadata) == 10  # refused before any call
+
+
 def test_ghz_connection_flags_are_checked(capsys):
     for argv, says in [
         (["run", "--call", "agent.AgentService.SubmitTask"], "only agent.AgentService.RunTask"),

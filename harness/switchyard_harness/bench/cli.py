@@ -7,7 +7,10 @@ Subcommands:
   ``--config`` for a ghz JSON config file) and the report is ghz's JSON format.
   Interrupted (Ctrl-C, SIGINT) once calls have started, it prints and writes the
   report of the calls that completed, as ghz does (``endReason`` ``cancel``; the
-  summary says so), and exits 130.
+  summary says so), and exits 130. Against a stack with ``orchestrator.auth`` on,
+  its calls carry the bearer token as ``switchyard run``'s do
+  (``SWITCHYARD_AUTH_TOKEN``, ``--token-env``, ``--token-file``:
+  :mod:`switchyard.common.client_token`), unless ``-m`` names ``authorization``.
 - ``compare``: scenarios A-D on one request set (see :mod:`switchyard_harness.bench.compare`).
 - ``sched``: the scheduling benchmark (``switchyard_harness.bench.sched_bench``).
 - ``isolation``: idle-dispatcher queue wait, and core TTFT under batch load
@@ -39,6 +42,7 @@ from typing import Any, NoReturn
 
 from switchyard_harness import json_output
 from switchyard.common import outputs
+from switchyard.common.client_token import TokenError, add_token_options, bearer_token
 from switchyard.common.config.base import did_you_mean
 
 _GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
@@ -246,6 +250,31 @@ def resolve_plan(args: argparse.Namespace, host: str | None):
         usage_error(str(exc))
 
 
+def with_token(plan: Any, args: argparse.Namespace) -> Any:
+    """``plan`` with the bearer token of ``--token-file`` or ``--token-env``'s variable in its ``authorization``
+    metadata, as ``switchyard run`` sends it; unchanged with no token, or where ``-m`` (or the ghz config's
+    ``metadata``) names ``authorization`` itself (ghz's own way, which then wins over the variable).
+
+    Raises:
+        SystemExit(2) (:func:`usage_error`): the token file cannot be read or holds no single token, or
+            ``--token-file`` is given beside an ``authorization`` of ``-m`` (which of the two to send is not guessed).
+    """
+    import dataclasses
+
+    if "authorization" in plan.metadata:
+        if args.token_file:
+            usage_error(f"--token-file {args.token_file}: -m (or the --config file's metadata) names authorization "
+                        "too; give the token one way")
+        return plan
+    try:
+        token = bearer_token(args.token_file, args.token_env)
+    except TokenError as exc:
+        usage_error(str(exc))
+    if token is None:
+        return plan
+    return dataclasses.replace(plan, metadata={**plan.metadata, "authorization": f"Bearer {token}"})
+
+
 SECRET_FLAGS = ("-m", "--metadata")
 """Flags whose value may carry a credential (ghz's ``-m '{"authorization": "Bearer ..."}'``)."""
 
@@ -294,9 +323,10 @@ def _run(argv: list[str]) -> int:
     parser.add_argument("--name", default="", help="report name (ghz --name)")
     parser.add_argument("--plot", metavar="PNG", help="also write a PNG: latency histogram, TTFT distribution, "
                         "throughput over time")
+    add_token_options(parser)
     args = parser.parse_args(argv)
     outputs.refuse_unwritable(parser, ("-o/--output", args.output), ("--plot", args.plot))  # now, not after the run
-    plan = resolve_plan(args, args.host or args.target)
+    plan = with_token(resolve_plan(args, args.host or args.target), args)
 
     from switchyard_harness.bench.loadgen import run_load
     from switchyard_harness.bench.report import build_report, summary_text

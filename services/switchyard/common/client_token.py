@@ -1,7 +1,7 @@
 """The bearer token a client command sends to a stack with ``orchestrator.auth`` on.
 
 One rule for every command that calls a running stack (``switchyard run``,
-``switchyard profile``, ``switchyard bench http``, the locustfile):
+``switchyard profile``, ``switchyard bench run``, ``switchyard bench http``, the locustfile):
 the token is the value of the environment variable ``--token-env`` names
 (default ``SWITCHYARD_AUTH_TOKEN``; unset or empty: no token), never a value on
 the command line. ``--token-file FILE`` (the file holding the token, surrounding
