@@ -395,7 +395,7 @@ def test_auto_procs_grows_with_rps_but_not_past_the_cores():
 
 
 def test_bad_plans_and_durations_are_rejected():
-    with pytest.raises(ValueError, match="cannot be smaller than concurrency"):
+    with pytest.raises(ValueError, match=r"-n/--total: expected at least as many calls as -c/--concurrency \(10, "):
         LoadPlan("h:1", [{}], total=5, concurrency=10)
     assert cli.parse_duration("1m30s") == 90 and cli.parse_duration("500ms") == 0.5
     with pytest.raises(Exception, match="expected a duration"):
@@ -477,6 +477,12 @@ def test_ghz_connection_flags_are_checked(capsys):
         (["run", "--rps=-2"], "--rps: expected a finite value >= 0"),
         (["run", "--rps=inf"], "--rps: expected a finite value >= 0 (0: unpaced), got inf"),  # an OverflowError
         (["run", "--duration=1e999"], "--duration: expected a finite value >= 0"),
+        # `bench run -n 5` said "total (5) cannot be smaller than concurrency (50)": neither flag, nor that 50 is
+        # the default -c (ghz's), nor the way out
+        (["run", "-n", "5"], "-n/--total: expected at least as many calls as -c/--concurrency (50, given or by "
+                             "default), got 5: raise -n or lower -c"),
+        (["run", "-n", "0"], "-n/--total: expected at least 1 call (or -z/--duration instead), got 0"),
+        (["run", "-c", "0"], "-c/--concurrency: expected at least 1, got 0"),
         (["fault", "--duration=inf"], "--duration: expected a finite number of seconds > 0, got inf"),  # no end
         (["fault", "--dispatchers=65"], "--dispatchers: expected 2 (one is killed) to 64, got 65"),
         (["fault", "--concurrency=0"], "--concurrency: expected at least 1, got 0"),

@@ -99,12 +99,14 @@ class LoadPlan:
         if problem := address_problem(self.host):
             raise ValueError(f"target: expected the orchestrator's host:port, a port in 1-65535, got {self.host!r} "
                              f"({problem})")
+        # each names its flag (ghz's, and the ghz config's key) and the way out, as the checks below do
         if self.total < 1 and self.duration_s <= 0:
-            raise ValueError(f"total must be >= 1 (got {self.total}) unless duration is set")
+            raise ValueError(f"-n/--total: expected at least 1 call (or -z/--duration instead), got {self.total}")
         if self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+            raise ValueError(f"-c/--concurrency: expected at least 1, got {self.concurrency}")
         if self.duration_s <= 0 and self.total < self.concurrency:
-            raise ValueError(f"total ({self.total}) cannot be smaller than concurrency ({self.concurrency})")
+            raise ValueError(f"-n/--total: expected at least as many calls as -c/--concurrency ({self.concurrency}, "
+                             f"given or by default), got {self.total}: raise -n or lower -c")
         for flag, value in (("--rps", self.rps), ("--duration", self.duration_s), ("--timeout", self.timeout_s)):
             if not 0 <= value < math.inf:  # NaN too; --rps inf was an OverflowError traceback
                 raise ValueError(f"{flag}: expected a finite value >= 0 (0: {_ZERO[flag]}), got {value:g}")
@@ -112,7 +114,7 @@ class LoadPlan:
             raise ValueError(f"--timeout: expected at most {MAX_CALL_TIMEOUT_S:g} s (gRPC's deadline overflows past "
                              f"it; 0: {_ZERO['--timeout']}), got {self.timeout_s:g}")
         if self.procs < 1:
-            raise ValueError(f"procs must be >= 1, got {self.procs}")
+            raise ValueError(f"--procs: expected auto or at least 1, got {self.procs}")
 
 
 @dataclass
