@@ -407,6 +407,34 @@ def test_a_server_set_by_environment_alone_passes_and_aliases_it_lacks_are_warni
     assert "all checks passed, 2 warning(s)" in out
 
 
+@pytest.mark.parametrize("max_model_len, says", [
+    # transformers serve, TGI, llama.cpp, Ollama: no window listed; a tiny Llama of 4,096 positions was checked
+    # against the 8,192 default unsaid, and transformers serve generated 8,000 tokens past its positions
+    (0, "acme/served-8b: 8192 tokens (limits.default_context_window_tokens); a prompt plus max_tokens past it is "
+           "refused; the server reports no window for it (max_model_len in GET /models): if the model's is another, "
+           "list it in limits.context_window_tokens in switchyard.json"),
+    (4096, "acme/served-8b: 4096 tokens (as its model server reports it)"),  # vLLM's, SGLang's max_model_len
+])
+def test_the_default_models_context_window_is_stated_with_where_it_comes_from(clean_proxy_env, monkeypatch, capsys,
+                                                                             max_model_len, says):
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    with start_sim(models=["acme/served-8b"], max_model_len=max_model_len) as server:
+        monkeypatch.setenv("SWITCHYARD_UPSTREAM_BASE_URL", server.base_url)
+        monkeypatch.setenv("SWITCHYARD_UPSTREAM_MODEL", "acme/served-8b")
+        monkeypatch.setenv("SWITCHYARD_UPSTREAM_FALLBACK_MODEL", "none")
+        monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")
+        code, out = run_doctor(capsys, "--no-probe")
+    assert code == 0, out
+    assert re.search(r"^ok +context window +" + re.escape(says), out, re.M), out
+
+
+def test_a_context_window_the_config_lists_is_named_as_the_configs(keyed_sim, capsys):
+    code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url, "--no-probe")
+    assert code == 0, out
+    assert re.search(r"^ok +context window +claude-sonnet-4-5: 200000 tokens \(limits.context_window_tokens\)", out,
+                     re.M), out
+
+
 def test_a_fallback_model_the_server_lacks_says_how_to_have_no_fallback(clean_proxy_env, monkeypatch, capsys):
     """A server of one model (transformers serve, llama.cpp) with the shipped fallback_model: the fix read
     "pick one of: <the default model>", a fallback that is the model that just failed; the way out is no

@@ -6,7 +6,10 @@ the API key (present, non-empty, no whitespace); the base URL (``GET /models``
 answers, and accepts the key; one answering 404 or 405 there, a server with no model list such as TGI before
 2.3, is still probed, and passes with a warning if the probe streams); the model ids (default, fallback and every
 ``model_map`` target, plus ``--model`` names, are listed by ``/models``; the
-nearest listed id is suggested); with ``server.tls`` on, the certificates of
+nearest listed id is suggested); the default model's context window, which every prompt plus
+``max_tokens`` is checked against, and where it comes from (``limits.context_window_tokens``, the
+server's ``max_model_len``, or ``limits.default_context_window_tokens`` where the server reports none:
+``transformers serve``, TGI, llama.cpp and Ollama report none); with ``server.tls`` on, the certificates of
 the addresses the stack dials (:func:`certificate_checks`); the server's flavour
 (``model_gateway.server``, or what ``/models`` says); then, unless ``--no-probe``, one
 streamed one-token completion of the default model, sent as the engine sends it
@@ -38,14 +41,15 @@ import asyncio
 import math
 import sys
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Any, Iterable
 
 import httpx
 from pydantic import ValidationError
 
 from switchyard.common.priority import PriorityClass
 from switchyard.common import tls_check
-from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConfig, load_config
+from switchyard.common.config import ConfigError, RequestLimitsConfig, SwitchyardConfig, UpstreamConfig, load_config
+from switchyard.gateway.servers import reported_context_window
 from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import (
     key_refused_as,
@@ -134,7 +138,8 @@ def _key_check(key: ApiKey, required: bool) -> Check:
 
 
 async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
-                       url_key: str = "model_gateway.base_url") -> tuple[Check, list[str] | None]:
+                       url_key: str = "model_gateway.base_url") -> tuple[Check, list[str] | None, Any]:
+    """The base url check, the model ids ``GET /models`` lists (None: not read) and its parsed body (None)."""
     url = f"{cfg.base_url}/models"
     headers = {"accept": "application/json"}
     if key.present and not key.has_whitespace:
@@ -152,7 +157,7 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
             return Check("base url", False, f"{url}{via} took the connection but sent no answer within "
                          f"{timeout_s:g} s ({type(exc).__name__})",
                          f"the server there is hung or overloaded: check its logs, or raise --timeout; else correct "
-                         f"{where}"), None
+                         f"{where}"), None, None
         if route:
             fix = (
                 f"the request went through {route.variable}={route.address}: start that proxy or add the host "
@@ -162,11 +167,11 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
             return Check("base url", False, f"{url} does not answer ({type(exc).__name__}: {exc})",
                          "something listens there but does not answer HTTP/1.1 (a gRPC port, such as a Switchyard "
                          f"service's, or another protocol's): correct {where} to the model server's "
-                         "OpenAI-compatible root"), None
+                         "OpenAI-compatible root"), None, None
         elif plain_http_behind_https(exc, url):
             return Check("base url", False, f"{url} answers plain HTTP, not TLS ({type(exc).__name__}: {exc})",
-                         f"the server there answers plain HTTP, not TLS: use http:// in {where}"), None
-        return Check("base url", False, f"{url}{via} does not answer ({type(exc).__name__}: {exc})", fix), None
+                         f"the server there answers plain HTTP, not TLS: use http:// in {where}"), None, None
+        return Check("base url", False, f"{url}{via} does not answer ({type(exc).__name__}: {exc})", fix), None, None
     said = snippet(redact(upstream_message(response.text), key.value))
     refused_key = key_refused_as(response.status_code, response.text)
     if response.status_code in (401, 403) or refused_key:
@@ -175,29 +180,45 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
             f"{f' ({refused_key[0]})' if refused_key else ''}",
             refused_key[1].format(env=key.env) if refused_key else
             f"check that {key.env} holds a valid key for this server; re-authenticate if it is an OAuth token",
-        ), None
+        ), None, None
     if 300 <= response.status_code < 400:
         location = response.headers.get("location", "")
         return Check(
             "base url", False, f"{url} answers {response.status_code}, a redirect to {snippet(location) or 'nowhere'}",
             f"set {url_key} to {snippet(redirected_root(location, url))} (redirects are not followed: the key would go "
             "to a URL the set-up did not name)" if location else f"correct {url_key}",
-        ), None
+        ), None, None
     if response.status_code in (404, 405):
         return Check(
             "base url", False, f"{url} answers {response.status_code}",
             f"{url_key} must be the OpenAI-compatible root ending in /v1, e.g. http://127.0.0.1:8000/v1",
             no_model_list=True,
-        ), None
+        ), None, None
     if response.status_code >= 400:
         return Check("base url", False, f"{url} answers {response.status_code}: {said}",
-                     "check the model server's logs"), None
+                     "check the model server's logs"), None, None
     try:
-        ids = [str(item["id"]) for item in response.json()["data"]]
+        body = response.json()
+        ids = [str(item["id"]) for item in body["data"]]
     except (ValueError, KeyError, TypeError):
         return Check("base url", False, f"{url} answers, but not with OpenAI's model list: {said}",
-                     f"point {url_key} at an OpenAI-compatible /v1 root"), None
-    return Check("base url", True, f"{url}{via} answers; {len(ids)} model(s) listed"), ids
+                     f"point {url_key} at an OpenAI-compatible /v1 root"), None, None
+    return Check("base url", True, f"{url}{via} answers; {len(ids)} model(s) listed"), ids, body
+
+
+def _window_check(cfg: UpstreamConfig, limits: RequestLimitsConfig, models_body: Any) -> Check:
+    """The default model's context window and its source, as the dispatcher takes it
+    (:meth:`RequestLimitsConfig.context_window`). A server that reports none was checked against the 8,192-token
+    default unsaid: ``transformers serve`` then generated a tiny Llama's answer of 8,000 tokens past its 4,096
+    positions without an error. Informational (it passes): the default may be the model's window."""
+    model = model_names.resolve(cfg.default_model, cfg.model_map, cfg.default_model)
+    window = limits.context_window(model, reported_context_window(models_body, model))
+    detail = f"{model}: {window.tokens} tokens ({window.source}); a prompt plus max_tokens past it is refused"
+    if window.source == "limits.default_context_window_tokens":
+        detail += ("; the server reports no window for it (max_model_len in GET /models): if the model's is "
+                   "another, list it in limits.context_window_tokens in switchyard.json (a Hugging Face model's "
+                   "is max_position_embeddings in its config.json)")
+    return Check("context window", True, detail)
 
 
 def _model_checks(cfg: UpstreamConfig, known: list[str], extra: Iterable[str]) -> list[Check]:
@@ -371,20 +392,23 @@ async def _probe(cfg: UpstreamConfig, timeout_s: float) -> list[Check]:
 
 async def run_checks(
     cfg: UpstreamConfig, *, models: Iterable[str] = (), probe: bool = True, timeout_s: float = 5.0,
-    url_key: str = "model_gateway.base_url",
+    url_key: str = "model_gateway.base_url", limits: RequestLimitsConfig | None = None,
 ) -> list[Check]:
     """Every check of the set-up, in report order (see the module docstring); ``url_key``: the config key
-    that names ``cfg.base_url``, for the fixes."""
+    that names ``cfg.base_url``, for the fixes; ``limits``: the request limits whose context window the report
+    states (None: not stated)."""
     checks = [await _proxy_answers(route, timeout_s) for route in configured_proxies()]
     if skipped := no_proxy_check():
         checks.append(skipped)
     key = load_api_key(cfg.api_key_env)
     key_check = _key_check(key, cfg.api_key_required)
     checks.append(key_check)
-    url_check, known = await _list_models(cfg, key, timeout_s, url_key)
+    url_check, known, models_body = await _list_models(cfg, key, timeout_s, url_key)
     checks.append(url_check)
     if known is not None:
         checks.extend(_model_checks(cfg, known, models))
+        if limits is not None:
+            checks.append(_window_check(cfg, limits, models_body))
         if key_check.ok:
             checks.append(await _server_check(cfg, timeout_s))
     if probe:
@@ -458,16 +482,18 @@ def endpoint_configs(cfg: UpstreamConfig) -> list[UpstreamConfig]:
 
 
 async def run_endpoint_checks(cfg: UpstreamConfig, *, models: Iterable[str] = (), probe: bool = True,
-                              timeout_s: float = 5.0) -> list[Check]:
+                              timeout_s: float = 5.0, limits: RequestLimitsConfig | None = None) -> list[Check]:
     """:func:`run_checks` against each endpoint of :func:`endpoint_configs`; with more than one, the checks of
     an endpoint are named with it in brackets and the ones that do not depend on it (proxies, key) listed once."""
     targets, key = endpoint_configs(cfg), url_key(cfg)
     if len(targets) == 1:
-        return await run_checks(targets[0], models=models, probe=probe, timeout_s=timeout_s, url_key=key)
+        return await run_checks(targets[0], models=models, probe=probe, timeout_s=timeout_s, url_key=key,
+                                limits=limits)
     checks: list[Check] = []
     seen: set[tuple[str, str]] = set()
     for target in targets:
-        for check in await run_checks(target, models=models, probe=probe, timeout_s=timeout_s, url_key=key):
+        for check in await run_checks(target, models=models, probe=probe, timeout_s=timeout_s, url_key=key,
+                                      limits=limits):
             if check.name == "api key" or check.name.startswith(("proxy", "NO_PROXY", "no_proxy")):
                 if (check.name, check.detail) in seen:
                     continue
@@ -543,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
             reasons = "; ".join(err["msg"].removeprefix("Value error, ") for err in exc.errors(include_url=False))
             parser.error(f"--base-url: {reasons} (got {args.base_url!r})")
     unused_engine = "" if args.base_url or full.dispatcher.engine == "openai" else full.dispatcher.engine
-    gateway = asyncio.run(run_endpoint_checks(cfg, models=args.model, probe=args.probe, timeout_s=args.timeout))
+    gateway = asyncio.run(run_endpoint_checks(cfg, models=args.model, probe=args.probe, timeout_s=args.timeout,
+                                              limits=full.limits))
     certificates = asyncio.run(certificate_checks(full, args.timeout))
     print(format_report(cfg, gateway + certificates, unused_engine))
     return 0 if all(c.ok for c in (certificates if unused_engine else gateway + certificates)) else 1
