@@ -335,6 +335,25 @@ def test_sim_openai_cli_rejects_bad_flags(monkeypatch, capsys):
     with pytest.raises(SystemExit) as caught:
         sim_openai.main(["--fault", "status=abc"])
     assert caught.value.code == 2 and "expected status=<number>" in capsys.readouterr().err
+    # --fault flags that could never act were taken, and the server served every request unharmed
+    for argv, says in [
+        # a model not served: its requests are answered 404 before any fault; bogus=1 said "unknown key '1'"
+        (["--fault", "nomodel=status=503"], "--fault 'nomodel=status=503': 'nomodel' is neither a fault key nor a "
+                                            "model served here; expected [MODEL=]SPEC with MODEL one of "
+                                            "claude-sonnet-4-5, gpt-4o-mini, sim-7b (serve another with --model ID)"),
+        (["--fault", "bogus=1"], "'bogus' is neither a fault key nor a model served here"),
+        (["--fault", "=status=503"], "--fault '=status=503': a blank model id"),
+        (["--model", "flaky", "--fault", "flaky="], "--fault 'flaky=': expected a fault (key=value items of: "),
+        (["--fault", ""], "--fault '': expected a fault"),
+        (["--fault", "status=503", "--fault", "cut_after=2"],  # the second replaced the first
+         "--fault 'cut_after=2': a second fault for every model (the first would be replaced)"),
+        (["--model", "flaky", "--fault", "flaky=status=503", "--fault", "flaky=cut_after=2"],
+         "a second fault for model 'flaky'"),
+    ]:
+        with pytest.raises(SystemExit) as caught:
+            sim_openai.main(argv)
+        assert caught.value.code == 2, argv
+        assert says in capsys.readouterr().err, argv
     monkeypatch.delenv("SIM_KEY_UNSET", raising=False)
     with pytest.raises(SystemExit):
         sim_openai.main(["--api-key-env", "SIM_KEY_UNSET"])

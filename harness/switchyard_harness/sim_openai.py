@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, AsyncIterator, Iterator
 
 import uvicorn
@@ -847,14 +847,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fault_flags(parser: argparse.ArgumentParser, flags: list[str], models: list[str]) -> dict[str, Fault]:
+    """The ``--fault [MODEL=]SPEC`` flags as model (``*``: every model) -> fault; exits 2 (``parser.error``) for a
+    flag that could never act, which the server took and then never injected: a MODEL this server does not serve
+    (its requests are answered 404 before any fault; ``bogus=1`` read as model ``bogus`` and said only "unknown
+    key '1'"), a blank MODEL (``=status=503``), no fault (``flaky=``), or a second flag for the same model (the
+    last one replaced the first)."""
+    keys = sorted(f.name for f in fields(Fault))
+    faults: dict[str, Fault] = {}
+    for flag in flags:
+        head, sep, _ = flag.partition("=")
+        if sep and head not in keys and head not in models:
+            what = "a blank model id" if not head.strip() else f"{head!r} is neither a fault key nor a model served here"
+            parser.error(f"--fault {flag!r}: {what}; expected [MODEL=]SPEC with MODEL one of {', '.join(models)} "
+                         f"(serve another with --model ID) and SPEC key=value items of: {' '.join(keys)}")
+        try:
+            model, fault = parse_flag(flag)
+        except ValueError as exc:
+            parser.error(f"--fault: {exc}")
+        if fault == Fault():
+            parser.error(f"--fault {flag!r}: expected a fault (key=value items of: {' '.join(keys)}), found none")
+        if model in faults:
+            whom = "every model" if model == "*" else f"model {model!r}"
+            parser.error(f"--fault {flag!r}: a second fault for {whom} (the first would be replaced); give one "
+                         "--fault per model, its items comma-separated (status=503,fail_first=2)")
+        faults[model] = fault
+    return faults
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``switchyard serve sim-openai``; returns the exit code (2 on bad flags)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    try:
-        faults = dict(parse_flag(flag) for flag in args.fault)
-    except ValueError as exc:
-        parser.error(f"--fault: {exc}")
     api_key = None
     if args.api_key_env:
         api_key = envs.read_secret(args.api_key_env)
@@ -882,6 +906,7 @@ def main(argv: list[str] | None = None) -> int:
         if not model.strip() or MODEL_SUFFIX in model:
             parser.error(f"--model: expected a model id, not blank and without '{MODEL_SUFFIX}' (which starts a "
                          f"fault suffix, MODEL{MODEL_SUFFIX}SPEC), got {model!r}")
+    faults = _fault_flags(parser, args.fault, args.models or list(DEFAULT_MODELS))
     if args.max_model_len and args.max_model_len < 16:
         parser.error(f"--max-model-len: expected 0 (none listed) or at least 16 tokens, got {args.max_model_len}")
     options = SimOpenAIOptions(
