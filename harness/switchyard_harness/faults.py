@@ -7,8 +7,9 @@ A fault spec is comma-separated ``key=value`` items and bare flags, e.g.
 ``model``); the server's ``--fault [MODEL=]SPEC`` flags (per model, or for all
 models). Through Switchyard's stack a task's ``model`` must be one the upstream
 lists (a suffixed name is refused NOT_FOUND before it is accepted): list a model
-for the fault (``--model flaky --fault flaky=status=503``) and name it, as
-``tools/soak.py`` does.
+for the fault beside the models served by default (``--model`` replaces that list:
+``--model claude-sonnet-4-5 --model gpt-4o-mini --model flaky --fault flaky=status=503``) and name it,
+as ``tools/soak.py`` does.
 """
 
 from __future__ import annotations
