@@ -40,6 +40,23 @@ _NOT_HTTP2 = re.compile(r"Failed parsing HTTP/2")
 """grpc's words when something answers that does not speak HTTP/2 (a metrics port, a Redis)."""
 
 
+_NO_METHOD = "Method not found!"
+"""grpc's words (UNIMPLEMENTED) when the gRPC server called serves no such method: not AgentService's server."""
+
+
+def not_agent_service_here(address: str, code: grpc.StatusCode, details: str,
+                           grpc_port: int | None = None) -> str | None:
+    """What a failed AgentService call's status says of the server at ``address`` when it is a gRPC server that
+    serves no AgentService (a dispatcher's or retrieval's port), for a person; None otherwise. ``grpc_port``: the
+    orchestrator's gRPC port in the configuration, named where given. It printed "UNIMPLEMENTED: Method not
+    found!" alone."""
+    if code != grpc.StatusCode.UNIMPLEMENTED or details.strip() != _NO_METHOD:
+        return None
+    port = f"orchestrator.port ({grpc_port} here)" if grpc_port is not None else "orchestrator.port"
+    return (f"the gRPC server at {address} serves no agent.AgentService (a dispatcher's or retrieval's port?): "
+            f"the orchestrator's gRPC port is {port}")
+
+
 def not_grpc_here(address: str, details: str, grpc_port: int | None = None) -> str | None:
     """What a failed call's UNAVAILABLE ``details`` say answers at ``address`` when it is not a gRPC server, for
     a person; None when they say no such thing (nothing answers, or a gRPC server answered). ``grpc_port``: the
@@ -261,8 +278,13 @@ def main(argv: list[str]) -> int:
             print(f"this command's --timeout ({args.timeout:g} s) is the task's deadline, and its measured work "
                   "does not fit in it: raise it for a longer task", file=sys.stderr)
         elsewhere = not_grpc_here(address, err.details() or "", config.orchestrator.port)
-        if err.code() == grpc.StatusCode.UNAVAILABLE and elsewhere is not None:
-            print(f"{elsewhere}; --addr takes that port", file=sys.stderr)
+        not_agent = not_agent_service_here(address, err.code(), err.details() or "", config.orchestrator.port)
+        if err.code() == grpc.StatusCode.UNAVAILABLE and elsewhere is not None or not_agent is not None:
+            print(f"{elsewhere or not_agent}; --addr takes that port", file=sys.stderr)
+            up_stack = up_file_orchestrator()
+            if not_agent is not None and up_stack is not None and up_stack[1] != address:
+                print(f"the stack that switchyard up started serves its orchestrator at {up_stack[1]} (its up file "
+                      f"{up_stack[0]}): switchyard run --addr {up_stack[1]} ...", file=sys.stderr)
         elif err.code() == grpc.StatusCode.UNAVAILABLE and _UNREACHABLE.search(err.details() or ""):
             print(f"nothing answers at {address}: is the stack running (`make run` or `switchyard up`)? "
                   "--addr names another orchestrator", file=sys.stderr)

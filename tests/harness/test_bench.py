@@ -657,3 +657,38 @@ def test_a_target_where_something_else_answers_says_what_answers(reply, says, ca
     assert "start it" not in bench_err
     assert says in run_err and "nothing answers" not in run_err, run_err
     assert "the orchestrator's gRPC port is orchestrator.port (50051 here); --addr takes that port" in run_err
+
+
+class NoAgentService:
+    """A gRPC server of the stack's kind that serves no AgentService (as a dispatcher's or retrieval's port)."""
+
+    name = "not-the-orchestrator"
+    grpc_service_names = ("agent.NotAgentService",)
+
+    def register(self, server) -> None:
+        pass
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+async def test_a_target_that_serves_no_agent_service_is_named_with_the_port_to_use(capsys, monkeypatch):
+    """`switchyard run --addr` and `bench run` at a dispatcher's or retrieval's port printed "UNIMPLEMENTED: Method
+    not found!" (bench run: every call Unimplemented) and no word on why."""
+    from switchyard import client
+    from switchyard_harness.bench.cli import main as bench_main
+
+    monkeypatch.setenv("SWITCHYARD_UP_FILE", "/nonexistent/up.json")
+    async with running([NoAgentService()], ServerConfig()) as srv:
+        addr = f"127.0.0.1:{srv.port}"
+        assert await asyncio.to_thread(client.main, ["--addr", addr, "--timeout", "5", "hello"]) == 1
+        run_err = capsys.readouterr().err
+        assert await asyncio.to_thread(bench_main, [addr, "-n", "2", "-c", "1", "--procs", "1"]) == 0
+        bench_err = capsys.readouterr().err
+    says = f"the gRPC server at {addr} serves no agent.AgentService (a dispatcher's or retrieval's port?)"
+    assert "UNIMPLEMENTED" in run_err and says in run_err, run_err
+    assert "the orchestrator's gRPC port is orchestrator.port (50051 here); --addr takes that port" in run_err
+    assert says in bench_err and "the target takes that port" in bench_err, bench_err

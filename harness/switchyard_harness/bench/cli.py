@@ -328,6 +328,9 @@ def _run(argv: list[str]) -> int:
     outputs.refuse_unwritable(parser, ("-o/--output", args.output), ("--plot", args.plot))  # now, not after the run
     plan = with_token(resolve_plan(args, args.host or args.target), args)
 
+    import grpc
+
+    from switchyard.client import not_agent_service_here, up_file_orchestrator
     from switchyard_harness.bench.loadgen import run_load
     from switchyard_harness.bench.report import build_report, summary_text
 
@@ -342,6 +345,9 @@ def _run(argv: list[str]) -> int:
               "report", file=sys.stderr)
         return INTERRUPTED
     interrupted = load.end_reason == "cancel"  # Ctrl-C: the report of the calls that completed, as ghz's
+    # a dispatcher's or retrieval's port: every call "Unimplemented desc = Method not found!", and no word on why
+    not_agent = next((hint for r in load.results if r.status == "Unimplemented" and (hint := not_agent_service_here(
+        plan.host, grpc.StatusCode.UNIMPLEMENTED, r.error.partition(" desc = ")[2]))), None)
     report = build_report(load, plan, name=args.name)
     rendered = {
         "summary": summary_text(report),
@@ -378,6 +384,12 @@ def _run(argv: list[str]) -> int:
             return 1
         if args.format is None:
             print(f"plot written to {args.plot}")
+    if not_agent is not None:
+        up_stack = up_file_orchestrator()
+        elsewhere = "" if up_stack is None or up_stack[1] == plan.host else (
+            f"; the stack that switchyard up started serves its orchestrator at {up_stack[1]} (its up file "
+            f"{up_stack[0]}): switchyard bench run {up_stack[1]} ...")
+        print(f"switchyard bench run: {not_agent}; the target takes that port{elsewhere}", file=sys.stderr)
     if interrupted:
         print(f"switchyard bench run: interrupted; the report covers the {len(load.results)} calls that completed "
               "(endReason cancel)", file=sys.stderr)
