@@ -203,6 +203,17 @@ def up_file_orchestrator() -> tuple[str, str] | None:
     return (str(path), address) if isinstance(address, str) and not address_problem(address) else None
 
 
+def up_stack_elsewhere(address: str, command: str) -> str | None:
+    """Where the stack ``switchyard up`` runs serves its orchestrator (:func:`up_file_orchestrator`), as a sentence
+    naming ``command`` run against it (``"run --addr"``, ``"bench run"``); None when no such stack runs or it serves
+    at ``address`` (the one just tried)."""
+    up_stack = up_file_orchestrator()
+    if up_stack is None or up_stack[1] == address:
+        return None
+    return (f"the stack that switchyard up started serves its orchestrator at {up_stack[1]} (its up file "
+            f"{up_stack[0]}): switchyard {command} {up_stack[1]} ...")
+
+
 def main(argv: list[str]) -> int:
     parser = parser_for("switchyard run", __doc__)
     parser.add_argument("question", nargs="+", help="the question or instruction (the task's payload)")
@@ -281,17 +292,13 @@ def main(argv: list[str]) -> int:
         not_agent = not_agent_service_here(address, err.code(), err.details() or "", config.orchestrator.port)
         if err.code() == grpc.StatusCode.UNAVAILABLE and elsewhere is not None or not_agent is not None:
             print(f"{elsewhere or not_agent}; --addr takes that port", file=sys.stderr)
-            up_stack = up_file_orchestrator()
-            if not_agent is not None and up_stack is not None and up_stack[1] != address:
-                print(f"the stack that switchyard up started serves its orchestrator at {up_stack[1]} (its up file "
-                      f"{up_stack[0]}): switchyard run --addr {up_stack[1]} ...", file=sys.stderr)
+            if not_agent is not None and (up_stack := up_stack_elsewhere(address, "run --addr")) is not None:
+                print(up_stack, file=sys.stderr)
         elif err.code() == grpc.StatusCode.UNAVAILABLE and _UNREACHABLE.search(err.details() or ""):
             print(f"nothing answers at {address}: is the stack running (`make run` or `switchyard up`)? "
                   "--addr names another orchestrator", file=sys.stderr)
-            up_stack = up_file_orchestrator()
-            if up_stack is not None and up_stack[1] != address:
-                print(f"the stack that switchyard up started serves its orchestrator at {up_stack[1]} (its up file "
-                      f"{up_stack[0]}): switchyard run --addr {up_stack[1]} ...", file=sys.stderr)
+            if (up_stack := up_stack_elsewhere(address, "run --addr")) is not None:
+                print(up_stack, file=sys.stderr)
         elif err.code() == grpc.StatusCode.UNAVAILABLE and _CUT.search(err.details() or ""):
             print(f"the connection to the orchestrator at {address} broke before the task ended (it stopped or was "
                   "killed, or something between cut it); a RunTask ends with its call and leaves no record: run it "

@@ -330,7 +330,7 @@ def _run(argv: list[str]) -> int:
 
     import grpc
 
-    from switchyard.client import not_agent_service_here, up_file_orchestrator
+    from switchyard.client import not_agent_service_here, up_stack_elsewhere
     from switchyard_harness.bench.loadgen import run_load
     from switchyard_harness.bench.report import build_report, summary_text
 
@@ -385,10 +385,8 @@ def _run(argv: list[str]) -> int:
         if args.format is None:
             print(f"plot written to {args.plot}")
     if not_agent is not None:
-        up_stack = up_file_orchestrator()
-        elsewhere = "" if up_stack is None or up_stack[1] == plan.host else (
-            f"; the stack that switchyard up started serves its orchestrator at {up_stack[1]} (its up file "
-            f"{up_stack[0]}): switchyard bench run {up_stack[1]} ...")
+        up_stack = up_stack_elsewhere(plan.host, "bench run")
+        elsewhere = "" if up_stack is None else f"; {up_stack}"
         print(f"switchyard bench run: {not_agent}; the target takes that port{elsewhere}", file=sys.stderr)
     if interrupted:
         print(f"switchyard bench run: interrupted; the report covers the {len(load.results)} calls that completed "

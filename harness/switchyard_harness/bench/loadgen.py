@@ -243,12 +243,10 @@ async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any =
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout=CONNECT_TIMEOUT_S)
         except TimeoutError:
-            from switchyard.client import up_file_orchestrator
+            from switchyard.client import up_stack_elsewhere
 
-            up_stack = up_file_orchestrator()  # switchyard up --free-ports: the stack's ports are not the config's
-            elsewhere = "" if up_stack is None or up_stack[1] == plan.host else (
-                f"; the stack that switchyard up started serves its orchestrator at {up_stack[1]} (its up file "
-                f"{up_stack[0]}): switchyard bench run {up_stack[1]} ...")
+            up_stack = up_stack_elsewhere(plan.host, "bench run")  # up --free-ports: not the config's ports
+            elsewhere = "" if up_stack is None else f"; {up_stack}"
             answers = await _not_grpc_here(channel, plan.host)
             if answers is not None:
                 raise TimeoutError(f"cannot reach the orchestrator at {plan.host}: {answers}{elsewhere}") from None
