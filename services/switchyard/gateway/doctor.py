@@ -49,6 +49,7 @@ from pydantic import ValidationError
 from switchyard.common.priority import PriorityClass
 from switchyard.common import tls_check
 from switchyard.common.config import ConfigError, RequestLimitsConfig, SwitchyardConfig, UpstreamConfig, load_config
+from switchyard.common.config.limits import DEFAULT_WINDOW_SOURCE
 from switchyard.gateway.servers import reported_context_window
 from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import (
@@ -214,7 +215,7 @@ def _window_check(cfg: UpstreamConfig, limits: RequestLimitsConfig, models_body:
     model = model_names.resolve(cfg.default_model, cfg.model_map, cfg.default_model)
     window = limits.context_window(model, reported_context_window(models_body, model))
     detail = f"{model}: {window.tokens} tokens ({window.source}); a prompt plus max_tokens past it is refused"
-    if window.source == "limits.default_context_window_tokens":
+    if window.source == DEFAULT_WINDOW_SOURCE:
         detail += ("; the server reports no window for it (max_model_len in GET /models): if the model's is "
                    "another, list it in limits.context_window_tokens in switchyard.json (a Hugging Face model's "
                    "is max_position_embeddings in its config.json)")

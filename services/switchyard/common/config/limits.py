@@ -10,6 +10,10 @@ from pydantic import Field, field_validator, model_validator
 from switchyard.common.config.base import _Strict
 
 
+DEFAULT_WINDOW_SOURCE = "limits.default_context_window_tokens"
+"""A :class:`ContextWindow`'s ``source`` where neither the config lists the model nor its server reports a window."""
+
+
 class ContextWindow(NamedTuple):
     """A model's context window (``tokens``, the model server's tokens) and where it was taken from
     (``source``, for an error message: the config key, or the model server's report), with ``ratio``: the model
@@ -138,4 +142,4 @@ class RequestLimitsConfig(_Strict):
             return ContextWindow(listed, "limits.context_window_tokens", ratio)
         if reported > 0:
             return ContextWindow(reported, "as its model server reports it", ratio)
-        return ContextWindow(self.default_context_window_tokens, "limits.default_context_window_tokens", ratio)
+        return ContextWindow(self.default_context_window_tokens, DEFAULT_WINDOW_SOURCE, ratio)
