@@ -458,7 +458,12 @@ def test_an_error_inside_the_stream_is_classified_as_the_same_answer_as_a_status
     {"message": "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 4000 `inputs` "
                 "tokens and 200 `max_new_tokens`", "code": 502},  # TGI's words behind a proxy
     {"message": "prompt is too long: 210000 tokens > 200000 maximum", "type": "api_error"},  # Anthropic's words
-], ids=["litellm_vllm", "openai_code", "llama_cpp_500", "tgi_502", "anthropic_words"])
+    # LiteLLM's proxy relaying vLLM's renderer's words
+    {"message": "litellm.APIConnectionError: OpenAIException - You passed 98305 input tokens and requested 32768 "
+                "output tokens. However, the model's context length is only 131072 tokens, resulting in a maximum "
+                "input length of 98304 tokens.", "code": "500"},
+    "This model's maximum prompt length is 131072 but the request contains 136973 tokens.",  # xAI's, as a string
+], ids=["litellm_vllm", "openai_code", "llama_cpp_500", "tgi_502", "anthropic_words", "litellm_vllm_renderer", "xai"])
 def test_a_request_too_long_for_the_context_is_its_own_fault_whatever_status_it_came_with(error):
     """A proxy relays a prompt too long for the model as a 500 inside the stream (LiteLLM: every in-stream error is
     "code": "500"): read by its status, it was a broken stream, retried and sent to the fallback model. It is the
@@ -508,9 +513,54 @@ def test_a_request_too_long_for_the_context_is_its_own_fault_whatever_status_it_
      "tokens in the input messages or the completion to fit within the limit.", 4000),  # SGLang, prompt + max_tokens
     ('{"object": "error", "message": "Prompt contains 40960 tokens and 0 draft tokens, too large for model with 32768 '
      'maximum context length", "type": "invalid_request_message_error", "param": null}', 40960),  # Mistral
+    # vLLM's renderer (vllm/renderers/params.py, TokenizeParams._token_len_check), as its VLLMValidationError answers
+    ('{"error": {"message": "You passed 98305 input tokens and requested 32768 output tokens. However, the model\'s '
+     'context length is only 131072 tokens, resulting in a maximum input length of 98304 tokens. Please reduce the '
+     'length of the input prompt. (parameter=input_tokens, value=98305)", "type": "BadRequestError", "param": '
+     '"input_tokens", "code": 400}}', 98305),
+    ("You passed 10243 input tokens and requested 6142 output tokens. However, the model's context length is only "
+     "16384, resulting in a maximum input length of 10242. Please reduce the length of the input messages. "
+     "(parameter=input_tokens, value=10243)", 10243),  # the same before it named the unit
+    ("You passed 2097025 input characters and requested 1 output tokens. However, the model's context length is "
+     "only 16384 tokens, resulting in a maximum input length of 16383 tokens (at most 2097024 characters). Please "
+     "reduce the length of the input prompt. (parameter=input_text, value=2097025)", None),  # characters, no tokens
+    ("max_tokens=20000 cannot be greater than max_model_len=8192. Please request fewer output tokens. "
+     "(parameter=max_tokens, value=20000)", None),  # vLLM: max_tokens alone past the window
+    ("max_tokens=140000cannot be greater than max_model_len=max_total_tokens=131072. Please request fewer output "
+     "tokens.", None),  # the same in an earlier release's f-string
+    ('{"object": "error", "message": "The prompt (total length 6287) is too long to fit into the model (context '
+     'length 4096). Make sure that `max_model_len` is no smaller than the number of text tokens plus multimodal '
+     'tokens.", "type": "BadRequestError", "param": null, "code": 400}', 6287),  # vLLM, a multimodal prompt
+    ('{"code": "invalid-argument", "error": "This model\'s maximum prompt length is 131072 but the request contains '
+     '136973 tokens."}', 136973),  # xAI
+    ('{"error": {"code": 400, "message": "The input token count (1200293) exceeds the maximum number of tokens allowed '
+     '(1048576).", "status": "INVALID_ARGUMENT"}}', 1200293),  # the Gemini API
+    ('{"type": "error", "error": {"type": "invalid_request_error", "message": "input length and `max_tokens` exceed '
+     'context limit: 178959 + 64000 > 200000, decrease input length or `max_tokens` and try again"}}', 178959),
+    ('{"error": "{\\"error\\":{\\"code\\":400,\\"message\\":\\"request (9177 tokens) exceeds the available '
+     'context size (4096 tokens), try increasing it\\",\\"type\\":\\"exceed_context_size_error\\"}}"}', 9177),
+    ("Trying to keep the first 15857 tokens when context the overflows. However, the model is loaded with context "
+     "length of only 4096 tokens, which is not enough. Try to load the model with a larger context length, or "
+     "provide a shorter input", None),  # LM Studio: the tokens it keeps, not the prompt's
+    ("The number of tokens to keep from the initial prompt is greater than the context length. Try to load the model "
+     "with a larger context length, or provide a shorter input", None),  # LM Studio
+    ("Please reduce the length of the messages or completion. Current length is 42328 while limit is 40000",
+     None),  # Cerebras: the request with its completion
+    ('{"error": {"message": "Please reduce the length of the messages or completion.", "type": '
+     '"invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}', None),  # Groq
+    ("This endpoint's maximum context length is 131072 tokens. However, you requested about 141607 tokens (10535 of "
+     "text input, 131072 in the output). Please reduce the length of either one, or use the \"middle-out\" transform "
+     "to compress your prompt automatically.", 10535),  # OpenRouter
+    ("This endpoint's maximum context length is 204800 tokens. However, you requested about 205432 tokens (81684 of "
+     "text input, 3748 of tool input, 120000 in the output). Please reduce the length of either one", 85432),
+    ("This model's maximum context length is 131072 tokens. However, you requested 351430 tokens. Please reduce the "
+     "length of the messages or completion.", None),  # vLLM 0.x: the prompt and the completion together
 ], ids=["vllm_messages", "vllm_prompt_alone", "vllm_input_tokens", "openai", "vllm_v1", "sglang", "tgi", "anthropic",
         "llama_cpp", "litellm", "openai_functions_requested", "openai_functions_resulted", "litellm_openai_functions",
-        "vllm_renderer", "vllm_renderer_at_least", "sglang_total", "mistral"])
+        "vllm_renderer", "vllm_renderer_at_least", "sglang_total", "mistral", "vllm_passed", "vllm_passed_unitless",
+        "vllm_passed_characters", "vllm_max_tokens_past_window", "vllm_max_tokens_past_window_old",
+        "vllm_multimodal", "xai", "gemini", "anthropic_with_max_tokens", "ollama_llama_cpp", "lm_studio_keep",
+        "lm_studio_keep_initial", "cerebras", "groq", "openrouter", "openrouter_tools", "vllm_requested_total"])
 def test_a_refusal_too_long_for_the_context_carries_the_servers_count_of_the_prompt_where_it_says_it(body, counted):
     """The dispatcher learns the server's tokens per counted one from it (a first call refused so teaches the
     ratio a usage would): the count each server's words give, None where they give none."""

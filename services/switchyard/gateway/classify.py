@@ -215,12 +215,41 @@ _TOO_LONG = re.compile(
     r"(?i)context_length_exceeded|context ?window ?exceeded|exceed_context_size|maximum context length"
     r"|longer than the (maximum model length|model's context length)|exceeds the available context size"
     r"|prompt is too long|tokens \+ `?max_new_tokens`? must be <="
+    r"|the model's context length is only \d+|cannot be greater than max_model_len"
+    r"|too long to fit into the model \(context length|maximum prompt length is \d+"
+    r"|exceeds the maximum number of tokens allowed|exceed context limit"
+    r"|when context the overflows|tokens to keep from the initial prompt is greater than the context length"
+    r"|current length is \d+ while limit is \d+"
 )
 """A server's words for a request that does not fit the model's context window: OpenAI's and vLLM's "This model's
 maximum context length is N tokens" (``context_length_exceeded``), vLLM's "The decoder prompt (length N) is
 longer than the maximum model length of M", SGLang's "longer than the model's context length", llama.cpp's
-"exceeds the available context size" (``exceed_context_size_error``), TGI's "`inputs` tokens + `max_new_tokens`
-must be <= N", Anthropic's "prompt is too long", and LiteLLM's ``ContextWindowExceededError``."""
+"exceeds the available context size" (``exceed_context_size_error``; Ollama relays it), TGI's "`inputs` tokens +
+`max_new_tokens` must be <= N", Anthropic's "prompt is too long", and LiteLLM's ``ContextWindowExceededError``;
+and:
+
+- vLLM's renderer (``vllm/renderers/params.py``, ``TokenizeParams``): "You passed N input tokens and requested O
+  output tokens. However, the model's context length is only M tokens, resulting in a maximum input length of K
+  tokens" (its ``_token_len_check``; "... is only M, resulting in ... of K" before it named the unit), the same
+  in "input characters" for a prompt refused before it is tokenized (``_text_len_check``), and "max_tokens=O
+  cannot be greater than max_model_len=M" (``max_tokens`` alone past the window);
+- vLLM's check of a multimodal prompt: "The prompt (total length N) is too long to fit into the model (context
+  length M)" (vLLM issue 12165; its ``test_context_length_too_short``);
+- xAI's API: "This model's maximum prompt length is M but the request contains N tokens." (cline issue 3120,
+  Grok 3);
+- the Gemini API: "The input token count (N) exceeds the maximum number of tokens allowed (M)." (400
+  ``INVALID_ARGUMENT``; google-gemini/gemini-cli issues 4118 and 6678);
+- Anthropic's "input length and `max_tokens` exceed context limit: N + O > M, decrease input length or
+  `max_tokens` and try again" (docker/docker-agent issue 569, continuedev/continue issue 6080);
+- LM Studio's "Trying to keep the first N tokens when context the overflows. However, the model is loaded with
+  context length of only M tokens" and "The number of tokens to keep from the initial prompt is greater than the
+  context length" (lmstudio-ai/lmstudio-bug-tracker issues 546 and 2205);
+- Cerebras's "Please reduce the length of the messages or completion. Current length is N while limit is M" (cline
+  issue 5140).
+
+Groq's words ("Please reduce the length of the messages or completion.") come with OpenAI's
+``context_length_exceeded`` code, DeepSeek's and OpenRouter's ("This endpoint's maximum context length is M
+tokens") with OpenAI's "maximum context length"."""
 
 
 def too_long_for_context(body: str) -> bool:
@@ -234,12 +263,22 @@ _REQUESTED_BESIDE_COMPLETION = re.compile(
 completion)": the prompt is T - C, the messages and the functions (tools) both, as a usage counts it; N is only
 the messages' part of it."""
 
+_REQUESTED_ABOUT = re.compile(r"requested about \d+ tokens \(([^)]*)\)")
+_INPUT_PART = re.compile(r"(\d+) of (?:text|tool) input")
+"""OpenRouter's "However, you requested about T tokens (N of text input[, F of tool input][, C in the output])"
+(Aider-AI/aider issue 3721, boldsoftware/shelley issue 159, topoteretes/cognee issue 1061): the prompt is the text
+and the tool input, not the output asked for."""
+
 _PROMPT_COUNTS = (
     re.compile(r"requested (\d+) tokens in the messages"),  # vLLM 0.x, a prompt past the window alone
     re.compile(r"your request has (\d+) input tokens"),  # vLLM: "'max_tokens' ... is too large: ... and your request has N"
     # vLLM since its renderer's length check: "you requested O output tokens and your prompt contains N input
     # tokens"; its "contains at least N" is no count (the prompt tokenized only to past the window): not read
     re.compile(r"your prompt contains (\d+) input tokens"),
+    # vLLM's renderer (TokenizeParams._token_len_check): "You passed N input tokens and requested O output tokens";
+    # its "N input characters" (refused before tokenizing) is no count of tokens: not read
+    re.compile(r"You passed (\d+) input tokens"),
+    re.compile(r"The prompt \(total length (\d+)\) is too long to fit"),  # vLLM, a multimodal prompt
     # the OpenAI API; with functions (tools) "T tokens (N in the messages, F in the functions)": the prompt is T
     re.compile(r"your messages resulted in (\d+) tokens"),
     re.compile(r"decoder prompt \(length (\d+)\)"),  # vLLM's V1 engine
@@ -250,19 +289,29 @@ _PROMPT_COUNTS = (
     # Mistral's API: "Prompt contains N tokens and 0 draft tokens, too large for model with M maximum context length"
     re.compile(r"Prompt contains (\d+) tokens and \d+ draft tokens"),
     re.compile(r"prompt is too long: (\d+) tokens"),  # Anthropic: "prompt is too long: N tokens > M maximum"
+    # Anthropic, the prompt fitting alone: "input length and `max_tokens` exceed context limit: N + O > M"
+    re.compile(r"exceed context limit: (\d+) \+ \d+ >"),
+    re.compile(r"the request contains (\d+) tokens"),  # xAI: "maximum prompt length is M but the request contains N tokens"
+    re.compile(r"The input token count \((\d+)\) exceeds"),  # the Gemini API
     re.compile(r'"n_prompt_tokens"\s*:\s*(\d+)'),  # llama.cpp's exceed_context_size_error: n_prompt_tokens, n_ctx
+    # llama.cpp's message, as Ollama relays it without the fields: "request (N tokens) exceeds the available context size"
+    re.compile(r"request \((\d+) tokens\) exceeds the available context size"),
 )
 """Where a server's refusal of a prompt too long for the context window says how many tokens it counted the
-prompt (its tokenizer's, chat template included), in the words of each server :data:`_TOO_LONG` names."""
+prompt (its tokenizer's, chat template included), in the words of each server :data:`_TOO_LONG` names. LM
+Studio's "Trying to keep the first N tokens" counts the tokens it keeps, and Cerebras's "Current length is N" the
+request with its completion, neither the prompt: not read."""
 
 
 def server_prompt_tokens(body: str) -> int | None:
     """The prompt tokens a server counted, as its refusal of a request too long for the context window says
-    (:data:`_REQUESTED_BESIDE_COMPLETION`, :data:`_PROMPT_COUNTS`): the whole prompt, its functions (tools)
-    included where the words count them apart from the messages; None where they do not say (a proxy's words,
-    LiteLLM's)."""
+    (:data:`_REQUESTED_BESIDE_COMPLETION`, :data:`_REQUESTED_ABOUT`, :data:`_PROMPT_COUNTS`): the whole prompt,
+    its functions (tools) included where the words count them apart from the messages; None where they do not
+    say (a proxy's words, LiteLLM's, a count of characters)."""
     if (found := _REQUESTED_BESIDE_COMPLETION.search(body)) is not None:
         return int(found.group(1)) - int(found.group(2))
+    if (found := _REQUESTED_ABOUT.search(body)) is not None and (parts := _INPUT_PART.findall(found.group(1))):
+        return sum(map(int, parts))
     for pattern in _PROMPT_COUNTS:
         if (found := pattern.search(body)) is not None:
             return int(found.group(1))
