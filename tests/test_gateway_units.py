@@ -270,6 +270,27 @@ def test_the_answer_is_the_choice_of_index_0_wherever_it_sits_in_a_chunk_or_a_wh
         {"index": 1, "message": {"role": "assistant", "content": "other"}, "finish_reason": "stop"}]})) is None
 
 
+def test_a_whole_completion_reads_its_choices_as_a_streams_chunk_does():
+    """One owner of "which choice is the answer" (decode.answer_choice): the whole completion's choices were picked
+    inline, a choice that is not an object passed over there where a stream's chunk fails on it, so one body was
+    an answer as a completion and an error as a stream. Now both fail it naming the choice, and the decoder's
+    ending is the error's."""
+    body = json.dumps({"choices": ["x", {"index": 0, "message": {"role": "assistant", "content": "Hello"},
+                                          "finish_reason": "stop"}]})
+    decoder = StreamDecoder("m")
+    with pytest.raises(StreamProtocolError, match="the whole completion has a choice that is not an object"):
+        decoder.whole_answer(body)
+    assert decoder.ending == "error"
+    with pytest.raises(StreamProtocolError, match="stream chunk 1 has a choice that is not an object"):
+        StreamDecoder("m").feed(body)
+    # n choices, the answer's not first: the choice of index 0, its index a string as some proxies send it
+    n_choices = StreamDecoder("m").whole_answer(json.dumps({"choices": [
+        {"index": 2, "message": {"content": "two"}, "finish_reason": "stop"},
+        {"index": "0", "message": {"content": "zero"}, "finish_reason": "length"},
+        {"index": 1, "message": {"content": "one"}, "finish_reason": "stop"}]}))
+    assert n_choices == [Token("zero"), Finished("length", None, "m", "whole_answer")]
+
+
 def test_a_finish_reason_ends_a_stream_without_done_and_done_ends_one_without_finish_reason():
     """transformers serve ends with a finish chunk carrying usage and no [DONE]: finished, not cut."""
     no_marker = StreamDecoder("m")

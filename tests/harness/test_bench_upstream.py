@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,27 @@ def test_the_model_server_the_run_started_ends_with_the_run(tmp_path: Path, how:
     finally:
         if pid_alive(server):
             os.kill(server, signal.SIGKILL)
+
+
+async def test_the_direct_client_counts_the_answers_choice_wherever_it_sits() -> None:
+    """The direct client read ``choices[0]``: a server that sends another choice first (ordered as it likes) had
+    that choice's text counted as the answer's tokens and its first piece as the first token, where the gateway
+    reads the choice of index 0 (decode.answer_choice, the one owner). Here the other choice's two pieces were
+    counted: 3 tokens, the first before the answer's."""
+    from switchyard_harness.bench.upstream import DirectClient
+    from test_upstream_streams import Recorded, replay_server
+
+    chunks = [
+        [{"index": 1, "delta": {"role": "assistant", "content": "Other"}}, {"index": 0, "delta": {"role": "assistant"}}],
+        [{"index": 0, "delta": {"content": "Hello"}}],
+        [{"index": 1, "delta": {"content": " words"}}, {"index": 0, "delta": {}, "finish_reason": "stop"}],
+    ]
+    body = b"".join(b"data: " + json.dumps({"id": "c", "object": "chat.completion.chunk", "model": "m",
+                                             "choices": c}).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    recorded = Recorded("inline", {"status": "HTTP/1.1 200 OK", "content-type": "text/event-stream",
+                                   "framing": "chunked"}, body)
+    async with replay_server(recorded) as (base, _):
+        async with DirectClient(base, "m", 8) as client:
+            call = await client.call("BATCH")
+    assert (call.error, call.tokens) == ("", 1)
+    assert call.ttft_s is not None

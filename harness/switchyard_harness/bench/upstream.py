@@ -79,6 +79,7 @@ from switchyard_harness.bench.report import percentile
 from switchyard.common import envs
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, DramTierConfig, SwitchyardConfig, load_config
+from switchyard.gateway.decode import answer_choice
 from switchyard_harness.bench.sched_bench import _dram_arg, _dram_tier, own_tier_overrides
 
 SWEEP_STREAMS = (1, 2, 4, 8, 16, 32)
@@ -140,7 +141,9 @@ class Phase:
 
 
 class DirectClient:
-    """Streamed chat completions straight at the upstream (aiohttp, as the ``openai`` engine's transport)."""
+    """Streamed chat completions straight at the upstream (aiohttp, as the ``openai`` engine's transport); a chunk
+    counts as a token where the answer's choice (:func:`switchyard.gateway.decode.answer_choice`, the choice of
+    index 0 wherever it sits) carries content."""
 
     def __init__(self, base_url: str, model: str, max_tokens: int, api_key: str = "") -> None:
         self.url = base_url.rstrip("/") + "/chat/completions"
@@ -174,8 +177,9 @@ class DirectClient:
                         if not line.startswith(b"data:") or line == b"data: [DONE]":
                             continue
                         chunk = json.loads(line[5:])
-                        choices = chunk.get("choices") or []
-                        if choices and (choices[0].get("delta") or {}).get("content"):
+                        # the answer is the choice of index 0 wherever it sits, as the gateway reads it
+                        choice = answer_choice(chunk.get("choices") or [], "a stream chunk", line.decode())
+                        if choice is not None and (choice.get("delta") or {}).get("content"):
                             if call.ttft_s is None:
                                 call.ttft_s = time.monotonic() - call.start
                             call.tokens += 1

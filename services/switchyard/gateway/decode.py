@@ -20,7 +20,7 @@ Shapes seen in the wild that are decoded too (each is a test case):
 
 - a chunk whose choices are not in index order, or that carries another choice beside the answer's: the answer is
   the choice of ``index`` 0 wherever it sits (one with no ``index`` is 0), in a chunk and in a whole completion
-  (:func:`_answer_choice`; read as ``choices[0]``, another choice's text and finish were the answer's);
+  (:func:`answer_choice`; read as ``choices[0]``, another choice's text and finish were the answer's);
 - chunks with ``choices: []`` or no ``choices`` at all and no usage (Azure's
   ``prompt_filter_results`` preamble): no events; a stream none of whose chunks
   carries a choice is an error ("reading choices"), unless its usage counts no completion token (an empty
@@ -323,13 +323,15 @@ def _index_of(choice: dict[str, Any]) -> int | None:
         return None
 
 
-def _answer_choice(choices: list[Any], where: str, data: str) -> list[dict[str, Any]]:
-    """The answer's choice among a chunk's ``choices`` (``where``: the chunk, ``data``: as received, both named by
-    an error), as a list of one, or none when the chunk carries no choice of index 0: the one whose ``index`` is 0
-    (or that carries none), wherever it sits. A request asks for one choice (no ``n``), but servers order the
-    choices of a chunk as they like, and some send others beside it (another index's pieces, a usage-only chunk's
-    ``choices: []``); read as ``choices[0]``, another choice's text was the answer's, and its ``finish_reason``
-    ended the answer.
+def answer_choice(choices: list[Any], where: str, data: str) -> dict[str, Any] | None:
+    """The answer's choice among the ``choices`` of a stream chunk or of a whole completion (``where``: which, and
+    ``data``: as received, both named by an error); None when none is of index 0: the one whose ``index`` is 0 (or
+    that carries none, :func:`_index_of`), wherever it sits. A request asks for one choice (no ``n``), but servers
+    order the choices as they like, and some send others beside it (another index's pieces, a usage-only chunk's
+    ``choices: []``, the ``n`` choices a proxy asked for); read as ``choices[0]``, another choice's text was the
+    answer's, and its ``finish_reason`` ended the answer. The one reader of "which choice is the answer": the
+    stream decoder's chunks, its whole completion (:meth:`StreamDecoder.whole_answer`) and the benchmark's direct
+    client read it here.
 
     Raises:
         StreamProtocolError: a choice is not an object ("error reading choices").
@@ -339,7 +341,7 @@ def _answer_choice(choices: list[Any], where: str, data: str) -> list[dict[str, 
             raise StreamProtocolError(
                 f"error reading choices: {where} has a choice that is not an object: received {snippet(data)}"
             )
-    return next(([c] for c in choices if _index_of(c) == 0), [])
+    return next((c for c in choices if _index_of(c) == 0), None)
 
 
 def _whole_characters(carry: str, text: str) -> tuple[str, str]:
@@ -462,44 +464,46 @@ class StreamDecoder:
                 f"error reading choices: stream chunk {self.chunks} has 'choices' that is not a list: "
                 f"received {snippet(data)}"
             )
+        choice = answer_choice(choices, f"stream chunk {self.chunks}", data)
+        if choice is None:
+            return []
         events: list[StreamEvent] = []
-        for choice in _answer_choice(choices, f"stream chunk {self.chunks}", data):
-            self.choices_seen += 1
-            if choice.get("error"):  # OpenRouter's schema: a choice may carry its own error object
-                raise self._error(json.dumps({"error": choice["error"]}))
-            if "usage" in choice:  # Moonshot (Kimi) sends its usage in the finish chunk's choice, not beside it
-                self.usage = _usage(choice["usage"]) or self.usage
-            delta = choice.get("delta")
-            if delta is None and self.choices_seen == 1:
-                # a whole completion framed as the stream's one chunk carries its choice's "message" where a chunk
-                # has "delta"; a "message" after deltas is the answer so far again (some servers end a stream with
-                # one), not more of it: read, the answer was sent twice
-                delta = choice.get("message")
-            delta = delta or {}
-            if not isinstance(delta, dict):
-                raise StreamProtocolError(
-                    f"error reading choices: stream chunk {self.chunks} has a 'delta' that is not an object: "
-                    f"received {snippet(data)}"
-                )
-            text, thinking = content_parts(delta.get("content"))
-            if isinstance(refusal := delta.get("refusal"), str):  # the model's answer when it declines: its words
-                text += refusal
-            thought = next((t for k in REASONING_FIELDS if isinstance(t := delta.get(k), str) and t), "") + thinking
+        self.choices_seen += 1
+        if choice.get("error"):  # OpenRouter's schema: a choice may carry its own error object
+            raise self._error(json.dumps({"error": choice["error"]}))
+        if "usage" in choice:  # Moonshot (Kimi) sends its usage in the finish chunk's choice, not beside it
+            self.usage = _usage(choice["usage"]) or self.usage
+        delta = choice.get("delta")
+        if delta is None and self.choices_seen == 1:
+            # a whole completion framed as the stream's one chunk carries its choice's "message" where a chunk
+            # has "delta"; a "message" after deltas is the answer so far again (some servers end a stream with
+            # one), not more of it: read, the answer was sent twice
+            delta = choice.get("message")
+        delta = delta or {}
+        if not isinstance(delta, dict):
+            raise StreamProtocolError(
+                f"error reading choices: stream chunk {self.chunks} has a 'delta' that is not an object: "
+                f"received {snippet(data)}"
+            )
+        text, thinking = content_parts(delta.get("content"))
+        if isinstance(refusal := delta.get("refusal"), str):  # the model's answer when it declines: its words
+            text += refusal
+        thought = next((t for k in REASONING_FIELDS if isinstance(t := delta.get(k), str) and t), "") + thinking
+        if thought:
+            thought, self._carries["reasoning"] = _whole_characters(self._carries["reasoning"], thought)
             if thought:
-                thought, self._carries["reasoning"] = _whole_characters(self._carries["reasoning"], thought)
-                if thought:
-                    events.append(Reasoning(thought))
+                events.append(Reasoning(thought))
+        if text:
+            text, self._carries["content"] = _whole_characters(self._carries["content"], text)
             if text:
-                text, self._carries["content"] = _whole_characters(self._carries["content"], text)
-                if text:
-                    events.append(Token(text))
-            for call in delta.get("tool_calls") or []:
-                self._calls.add(call)
-            if delta.get("function_call") is not None:  # the former single call (finish_reason function_call)
-                self._calls.add({"function": delta["function_call"]})
-            if choice.get("finish_reason"):
-                self.finish_reason = finish_reason_of(choice["finish_reason"], url=self.url)
-                events.extend(self._drain_calls())
+                events.append(Token(text))
+        for call in delta.get("tool_calls") or []:
+            self._calls.add(call)
+        if delta.get("function_call") is not None:  # the former single call (finish_reason function_call)
+            self._calls.add({"function": delta["function_call"]})
+        if choice.get("finish_reason"):
+            self.finish_reason = finish_reason_of(choice["finish_reason"], url=self.url)
+            events.extend(self._drain_calls())
         return events
 
     def _drain_calls(self) -> list[StreamEvent]:
@@ -515,8 +519,8 @@ class StreamDecoder:
 
     def whole_answer(self, body: str) -> list[StreamEvent] | None:
         """The events of a whole chat completion answering a stream request, ending with :class:`Finished`
-        (:attr:`ending` ``whole_answer``); None when ``body`` is no chat completion (a JSON object whose first
-        choice carries a ``message`` object).
+        (:attr:`ending` ``whole_answer``); None when ``body`` is no chat completion (a JSON object whose choice of
+        index 0, :func:`answer_choice`, carries a ``message`` object).
 
         A server that cannot stream a request (some do not for tool calls), or a caching proxy between, may
         answer ``stream: true`` with the whole completion as ``application/json`` (or under the stream's own
@@ -526,7 +530,8 @@ class StreamDecoder:
         Read as "not a stream", every such answer failed.
 
         Raises:
-            StreamProtocolError, GatewayError: as :meth:`feed`, for the chunk the message makes.
+            StreamProtocolError: a choice is not an object (as in a stream's chunk).
+            GatewayError: as :meth:`feed`, for the chunk the message makes.
         """
         try:
             payload = untrusted.loads(body)
@@ -535,13 +540,13 @@ class StreamDecoder:
         choices = payload.get("choices") if isinstance(payload, dict) else None
         if not isinstance(choices, list):
             return None
-        choice = next((c for c in choices if isinstance(c, dict) and _index_of(c) == 0), None)
-        if choice is None or not isinstance(choice.get("message"), dict):
-            return None
-        self.whole = True
-        self.last = body
-        chunk = {**payload, "choices": [{**choice, "delta": choice["message"]}]}
         try:
+            choice = answer_choice(choices, "the whole completion", body)
+            if choice is None or not isinstance(choice.get("message"), dict):
+                return None
+            self.whole = True
+            self.last = body
+            chunk = {**payload, "choices": [{**choice, "delta": choice["message"]}]}
             return [*self._chunk(chunk, body), *self.end()]
         except GatewayError:
             self.failed = True
