@@ -276,17 +276,72 @@ def test_overload_halves_the_limit_once_per_ttft_window_down_to_the_floor() -> N
     assert limit.limit == 3
 
 
-def test_a_429_with_others_in_flight_drops_the_limit_to_them_at_once() -> None:
-    limit = make_limit(initial_limit=32, min_limit=1, backoff_ratio=0.9)
+def test_a_429_with_others_in_flight_drops_the_limit_to_them_at_once_by_one_step_at_most() -> None:
+    """The streams the server took bound the limit at once, but one refusal costs one step of backoff_ratio at
+    most: before, the limit dropped to the others in flight and was then multiplied (12 in flight under 16: 5.5),
+    and a refusal with one other in flight took it to 1 and capped it there for memory_s."""
+    limit = make_limit(initial_limit=16, min_limit=1, backoff_ratio=0.5)
     for _ in range(12):
         limit.started(1.0)
-    limit.on_overload(now=1.0)  # the twelfth was refused: the server took eleven, then the burst's backoff
-    assert limit.limit == pytest.approx(11 * 0.9)
-    limit.ended(1.0)
-    for _ in range(9):
+    limit.on_overload(now=1.0)  # the twelfth was refused: the server took eleven, within one step (8)
+    assert limit.limit == 11 and limit.refused_at == (12, 1.0)
+    for _ in range(10):
         limit.ended(1.0)
-    limit.on_overload(now=1.01)  # two in flight, one refused: within the same burst, no second backoff
-    assert limit.limit == 1
+    limit.on_overload(now=1.01)  # two in flight, one refused: one step (11 x 0.5), not to the one other stream
+    assert limit.limit == 5.5 and limit.refused_at == (12, 1.0)
+
+
+def test_a_burst_of_refusals_brings_the_limit_to_the_streams_the_server_took() -> None:
+    """Twelve streams sent at once to a server that takes two: each refusal steps down to the others still in
+    flight (within its one step), so the burst ends at the two the server runs, capped there for memory_s."""
+    limit = make_limit(initial_limit=16, min_limit=1, backoff_ratio=0.5)
+    for _ in range(12):
+        limit.started(1.0)
+    for _ in range(10):  # the ten past the two are refused, one after another
+        limit.on_overload(now=1.0)
+        limit.ended(1.0)
+    assert limit.limit == 2 and limit.refused_at == (3, 1.0)
+
+
+def test_one_503_costs_a_bounded_step_and_refusals_in_a_row_bring_the_limit_down_quickly() -> None:
+    """A single 503 with one other stream in flight (a light load, an ingress's blip) dropped the endpoint's
+    limit to that one stream and held it there for memory_s (30 s of one stream at a time, CORE queued behind
+    it). Now one burst costs one multiplicative step (AIMD's, Netflix's AIMDLimit), leaves no ceiling the server
+    was not seen to hold, and the limit climbs back by its probes; each later burst steps again."""
+    limit = make_limit(initial_limit=16, min_limit=1, backoff_ratio=0.5)
+    limit.on_sample(0.1)
+    limit.started(1.0)
+    limit.started(1.0)
+    limit.on_overload(now=1.0)
+    assert limit.limit == 8 and limit.refused_at is None
+    steps = []
+    for k in range(1, 5):  # a refusal in each later burst (a TTFT apart), one other stream in flight each time
+        limit.on_overload(now=1.0 + k)
+        steps.append(limit.limit)
+    assert steps == [4, 2, 1, 1]
+    assert limit.refused_at == (2, 5.0)  # from a limit of 2 the one other stream is the step: what it takes
+
+
+def test_a_refusal_within_the_wait_its_retry_after_asked_for_is_the_same_burst() -> None:
+    """A 503 asking Retry-After: 2: nothing is sent for 2 s (the cooldown), so the refusals of the streams sent
+    before it that arrive meanwhile are the same burst, one step, not one halving per TTFT."""
+    limit = make_limit(initial_limit=16, min_limit=1, backoff_ratio=0.5)
+    limit.on_sample(0.1)
+    limit.on_overload(now=1.0, retry_after_s=2.0)
+    for k in range(1, 4):
+        limit.on_overload(now=1.0 + 0.5 * k)  # within the asked wait
+    assert limit.limit == 8
+    limit.on_overload(now=3.5)  # past it: a new burst
+    assert limit.limit == 4
+    # a server restarting answers every stream in flight 503 with a Retry-After: it said when, not how many it
+    # takes, so the streams refused one after another cost one step, and cap nothing
+    restarting = make_limit(initial_limit=16, min_limit=1, backoff_ratio=0.5)
+    for _ in range(8):
+        restarting.started(1.0)
+    for _ in range(8):
+        restarting.on_overload(now=1.0, retry_after_s=5.0)
+        restarting.ended(1.0)
+    assert restarting.limit == 8 and restarting.refused_at is None
 
 
 @pytest.mark.parametrize(("knee", "takes"), [(8, 20), (16, 10)])

@@ -877,3 +877,26 @@ async def test_a_dns_pool_that_resolves_no_endpoint_fails_its_calls_naming_that(
                     pass
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
     assert "none resolved" in failed.value.details(), failed.value.details()
+
+
+async def test_one_503_beside_a_stream_in_flight_costs_the_endpoints_limit_one_step(clean_proxy_env):
+    """A model server answers one call 503 while another call of the same endpoint streams: the endpoint's limit
+    (shared by every call placed on it) dropped to the one other stream and was capped there for memory_s (30 s
+    of one stream at a time). One refusal costs one step of backoff_ratio, and caps nothing the server was not
+    seen to hold."""
+    faults = {"sim-7b": Fault(slow_ms=100), "flaky": Fault(status=503)}
+    with run_in_thread(SimOpenAIOptions(latency=False, models=["sim-7b", "flaky"], faults=faults)) as server:
+        config = pool_config([server.base_url])
+        config = config.model_copy(update={
+            "max_retries": 0, "concurrency": config.concurrency.model_copy(update={"initial_limit": 8}),
+            "cooldown": config.cooldown.model_copy(update={"enabled": False})})
+        async with GatewayClient(config) as client:
+            endpoint = client.pool.endpoints[endpoint_name(server.base_url)]
+            events = client.stream_chat(ask("slow"))
+            first = await anext(events)  # the slow call streams: in flight beside the refused one
+            assert isinstance(first, Token) and endpoint.limit.in_flight == 1
+            with pytest.raises(GatewayError):
+                await complete(client, dataclasses.replace(ask("refused"), model="flaky"))
+            assert endpoint.limit.limit == 4 and endpoint.limit.refused_at is None  # 8 x 0.5, not 1
+            rest = [event async for event in events]
+            assert isinstance(rest[-1], Finished)

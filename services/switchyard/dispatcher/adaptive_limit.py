@@ -94,14 +94,27 @@ the CORE headroom below on top):
   ``Gradient2Limit`` against a baseline per concurrency level instead of one
   long EWMA (which follows the loaded TTFT within seconds and lets the limit
   run away, as TCP Vegas' ``baseRTT`` would without its minimum);
-- a 429 or 503: the limit drops at once to the other streams in flight, if
-  any (the server took those), and (AIMD's multiplicative decrease) ``limit *=
-  backoff_ratio``, at most once per remembered TTFT, so one burst of refusals
-  counts once. For ``memory_s`` after a refusal with others in flight the limit
-  stays under the streams then in flight (the CORE headroom comes out of what
-  the server takes: above it, each CORE stream taken into a reserved slot was
-  the one refused), and a knee with nothing counted above it counts as what the
-  server takes.
+- a 429, 503 or 529: each refusal costs one bounded step, AIMD's
+  multiplicative decrease: the limit comes down to the other streams in flight
+  (the server took those, and runs them), but never below ``backoff_ratio x``
+  itself (nor ``min_limit``), so refusals in a row bring it down geometrically
+  (0.5: 16, 8, 4, 2, 1) and a burst of them to what the server took. A refusal
+  with no other stream in flight (no word on how many it takes: a rate limit),
+  or one asking a wait (Retry-After: the cooldown sends nothing before it, and
+  the server said when, not how many), costs the step once per burst: the
+  largest TTFT remembered after the first (0.1 s with none), or the wait it asked
+  where longer, so one burst counts once. A refusal with others in flight at
+  least that step (one asking no wait) caps the limit for ``memory_s`` under the
+  streams then in flight (the CORE headroom comes out of what the server takes:
+  above it, each CORE stream taken into a reserved slot was the one refused), and
+  a knee with nothing counted above it counts as what the server takes. Before, a
+  refusal dropped the limit to the others in flight and then multiplied it, and
+  capped it there for ``memory_s``: a single 503 with one other stream in flight
+  (a light load, an ingress's blip) left the endpoint's limit at 1 stream for
+  30 s. The step is Netflix concurrency-limits' ``AIMDLimit`` (``limit x
+  backoffRatio`` per drop) floored at what is in flight, as TCP's ``ssthresh =
+  max(FlightSize / 2, 2 x SMSS)`` (RFC 5681, section 3.1) halves what is in
+  flight, not below two segments.
 
 **The server's own queue** (vLLM's and SGLang's ``num_requests_waiting``, TGI's
 and llama.cpp's likewise, read from the server's ``/metrics`` by the gateway: for
@@ -281,7 +294,7 @@ class AdaptiveConcurrencyLimit:
         """Concurrency level (streams) -> what was measured there, for ``memory_s``."""
         self._clock = clock
         self._limit_gauge, self._knee_gauge, self._in_flight_gauge = limit_gauge, knee_gauge, in_flight_gauge
-        self._last_backoff = -math.inf
+        self._burst_until = -math.inf  # monotonic seconds: refusals before it are one burst (:meth:`on_overload`)
         self._window_start: float | None = None
         self._last_event = 0.0
         self._area = 0.0  # integral of in_flight over the window, stream-seconds
@@ -296,8 +309,8 @@ class AdaptiveConcurrencyLimit:
         self._by_ceiling = False  # the knee is confirmed by a ceiling no probe can pass (a refusal, max_limit)
         self.refused_at: tuple[int, float] | None = None
         """(streams in flight, the refused one included, monotonic seconds) when the server last refused a stream
-        for load with others in flight (:meth:`on_overload`): no level from there up can be measured, and the limit
-        stays under it; forgotten after ``memory_s`` like a level."""
+        for load with others in flight, at least one step of the limit (:meth:`on_overload`): no level from there up
+        can be measured, and the limit stays under it; forgotten after ``memory_s`` like a level."""
         self.server_cap: float | None = None
         """Streams the server was last seen to run at once (in flight minus its own queue), the limit's cap;
         None until the server reported a queue (:meth:`on_server_queue`)."""
@@ -360,20 +373,30 @@ class AdaptiveConcurrencyLimit:
         self._advance(self._clock() if now is None else now)
         self._tokens += count
 
-    def on_overload(self, now: float) -> None:
-        """The upstream refused load (429/503) at ``now`` (monotonic seconds), to a stream still counted in
-        flight: where others are in flight too, the limit drops at once to them (the server took those); and
-        it backs off by ``backoff_ratio`` once per TTFT."""
-        if self.in_flight > 1:
-            self._set(min(self.limit, self.in_flight - 1))
-            self._forget_stale_refusal(now)
-            self.refused_at = (min(self.in_flight, self.refused_at[0]) if self.refused_at else self.in_flight, now)
-        ttfts = [level.ttft_s for level in self.levels.values() if level.ttft_s]
-        window = max(ttfts) if ttfts else 0.1
-        if now - self._last_backoff < window:
+    def on_overload(self, now: float, retry_after_s: float | None = None) -> None:
+        """The upstream refused load (a 429, 503 or 529) at ``now`` (monotonic seconds), to a stream still counted
+        in flight; ``retry_after_s``: the wait it asked for (Retry-After), None or 0 where it asked none.
+
+        One bounded step (the module docstring): with others in flight and no wait asked, the limit comes down to
+        them but to no less than ``backoff_ratio x`` itself, and where they are at least that, they cap it for
+        ``memory_s`` (:attr:`refused_at`); else ``limit x backoff_ratio`` once per burst (the largest TTFT
+        remembered, 0.1 s with none, or the asked wait where longer)."""
+        others = self.in_flight - 1  # the streams the server took beside the refused one
+        step = max(float(self.config.min_limit), self.limit * self.config.backoff_ratio)
+        wait = retry_after_s or 0.0
+        if others > 0 and wait <= 0:
+            if others >= step:  # the server was seen to take this many and refuse one more: its ceiling
+                self._forget_stale_refusal(now)
+                self.refused_at = (min(self.in_flight, self.refused_at[0]) if self.refused_at else self.in_flight,
+                                   now)
+            self._set(min(self.limit, max(step, float(others))))
             return
-        self._last_backoff = now
-        self._set(self.limit * self.config.backoff_ratio)
+        if now >= self._burst_until:  # a new burst: its one step
+            ttfts = [level.ttft_s for level in self.levels.values() if level.ttft_s]
+            self._burst_until = now + (max(ttfts) if ttfts else 0.1)
+            self._set(min(self.limit, step))
+        if wait > 0:  # nothing is sent before then (the cooldown): a refusal meanwhile answers a stream sent before
+            self._burst_until = max(self._burst_until, now + wait)
 
     def _forget_stale_refusal(self, now: float) -> None:
         """Forget :attr:`refused_at` once it is older than ``memory_s`` at ``now``, as a level is forgotten."""

@@ -153,8 +153,12 @@ class AdaptiveConcurrencyConfig(_Strict):
         "always leaves at least one slot any class may take. CORE may start while fewer than min(this, limit // 4) "
         "CORE streams are in flight even when the limit is taken (by streams admitted before it came down).",
     )
-    backoff_ratio: float = Field(0.5, gt=0, lt=1, description="Factor the limit is multiplied by on a 429, 503 or "
-                                 "529 (overloaded), a fraction in (0, 1).")
+    backoff_ratio: float = Field(
+        0.5, gt=0, lt=1,
+        description="Factor the limit is multiplied by on a 429, 503 or 529 (overloaded), a fraction in (0, 1): one "
+        "burst of refusals (within a TTFT, or the wait a Retry-After asked for) takes the limit down to the other "
+        "streams in flight but never below this times the limit it found; each later burst steps again.",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> "AdaptiveConcurrencyConfig":
