@@ -293,3 +293,23 @@ async def test_an_unknown_default_model_names_the_setting_that_named_it(clean_pr
     assert ("set it in SWITCHYARD_UPSTREAM_MODEL (it overrides model_gateway.default_model) (or name it in the "
             "request)") in str(caught.value), str(caught.value)
     assert "set it in the request or in model_gateway.model_map" in str(named.value), str(named.value)
+
+
+async def test_ollama_with_no_model_pulled_lists_none_and_is_not_called_no_model_list(clean_proxy_env):
+    """Ollama answers ``GET /v1/models`` with ``{"object": "list", "data": null}`` while no model is pulled (its
+    ListCompletion marshals an empty Go slice as null). Read as no model list at all, the gateway failed
+    "did not return OpenAI's model list" and doctor said to point the URL at an OpenAI-compatible root, which it
+    was. It lists none: the one reader (servers.listed_ids) reads it so for both, and doctor names the model as
+    not listed."""
+    from switchyard.gateway import doctor
+    from test_upstream_streams import Recorded, replay_server
+
+    empty = Recorded("ollama_no_model", {"status": "HTTP/1.1 200 OK", "content-type": "application/json",
+                                         "framing": "close"}, b'{"object":"list","data":null}\n')
+    async with replay_server(empty) as (base, _):
+        config = gateway_config(base, default_model="llama3.2", fallback_model="")
+        async with GatewayClient(config) as client:
+            assert await client.list_models() == []
+        checks = {c.name: c for c in await doctor.run_endpoint_checks(config, probe=False)}
+    assert checks["base url"].ok and "0 model(s) listed" in checks["base url"].detail
+    assert not checks["model llama3.2"].ok and "the server lists no model: load 'llama3.2'" in checks["model llama3.2"].fix

@@ -341,8 +341,8 @@ class GatewayClient:
                                    url_source=self.url_source)
         try:
             body = response.json()
-            ids = [str(item["id"]) for item in body["data"]]
-        except (ValueError, KeyError, TypeError):
+            ids = servers.listed_ids(body)
+        except ValueError:
             raise StreamProtocolError(
                 f"GET {url} did not return OpenAI's model list ({{'data': [{{'id': ...}}]}}): "
                 f"received {snippet(redact(response.text, key.value))}"

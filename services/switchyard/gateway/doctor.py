@@ -50,7 +50,7 @@ from switchyard.common.priority import PriorityClass
 from switchyard.common import tls_check
 from switchyard.common.config import ConfigError, RequestLimitsConfig, SwitchyardConfig, UpstreamConfig, load_config
 from switchyard.common.config.limits import DEFAULT_WINDOW_SOURCE
-from switchyard.gateway.servers import reported_context_window
+from switchyard.gateway.servers import listed_ids, reported_context_window
 from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import (
     key_refused_as,
@@ -200,8 +200,8 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
                      "check the model server's logs"), None, None
     try:
         body = response.json()
-        ids = [str(item["id"]) for item in body["data"]]
-    except (ValueError, KeyError, TypeError):
+        ids = listed_ids(body)
+    except ValueError:
         return Check("base url", False, f"{url} answers, but not with OpenAI's model list: {said}",
                      f"point {url_key} at an OpenAI-compatible /v1 root"), None, None
     return Check("base url", True, f"{url}{via} answers; {len(ids)} model(s) listed"), ids, body
@@ -239,7 +239,8 @@ def _model_checks(cfg: UpstreamConfig, known: list[str], extra: Iterable[str]) -
         near = model_names.nearest(model, known)
         setting = model_key(source) if source in ("default_model", "fallback_model") else source
         fix = f"use {near!r} (in the request, {setting} or model_gateway.model_map)" if near else (
-            f"pick one of: {', '.join(known[:10]) or '(none listed)'}")
+            f"pick one of: {', '.join(known[:10])}" if known else
+            f"the server lists no model: load {model!r} into it (Ollama: `ollama pull {model}`), or name one it serves")
         if source == "fallback_model":  # a server of one model has no other to fall back on
             fix += ", or no fallback: model_gateway.fallback_model \"\" (SWITCHYARD_UPSTREAM_FALLBACK_MODEL=none)"
         if source.startswith("model_map["):  # only the requests naming the alias fail: a warning

@@ -75,6 +75,27 @@ _OWNERS = {
 }
 
 
+def listed_ids(models_body: Any) -> list[str]:
+    """The model ids a ``GET /v1/models`` answer (``models_body``, parsed JSON) lists: each ``data[].id`` (OpenAI's
+    ``{"object": "list", "data": [{"id": ...}]}``). ``data: null`` lists none: Ollama answers so while no model
+    is pulled (its ``ListCompletion`` marshals an empty Go slice as ``null``), where read as no model list at all
+    the set-up was told to point the URL at an OpenAI-compatible root, which it was, not to pull a model. The one
+    reader of the list, for the gateway's calls and ``switchyard doctor``.
+
+    Raises:
+        ValueError: ``models_body`` is no model list (not an object with ``data`` a list or null, or an item
+            without an ``id``).
+    """
+    if not isinstance(models_body, dict) or "data" not in models_body:
+        raise ValueError("no 'data' list")
+    data = models_body["data"]
+    if data is None:
+        return []
+    if not isinstance(data, list) or not all(isinstance(item, dict) and item.get("id") is not None for item in data):
+        raise ValueError("'data' is not a list of objects with an 'id'")
+    return [str(item["id"]) for item in data]
+
+
 def detect(models_body: Any, headers: Mapping[str, str] | None = None) -> str:
     """The flavour name of the server that answered ``GET /v1/models`` with ``models_body`` (parsed JSON).
 
