@@ -312,4 +312,5 @@ async def test_ollama_with_no_model_pulled_lists_none_and_is_not_called_no_model
             assert await client.list_models() == []
         checks = {c.name: c for c in await doctor.run_endpoint_checks(config, probe=False)}
     assert checks["base url"].ok and "0 model(s) listed" in checks["base url"].detail
-    assert not checks["model llama3.2"].ok and "the server lists no model: load 'llama3.2'" in checks["model llama3.2"].fix
+    model = checks["model llama3.2"]
+    assert not model.ok and "the server lists no model: load 'llama3.2'" in model.fix

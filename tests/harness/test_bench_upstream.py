@@ -270,7 +270,8 @@ async def test_the_direct_client_counts_the_answers_choice_wherever_it_sits() ->
     from test_upstream_streams import Recorded, replay_server
 
     chunks = [
-        [{"index": 1, "delta": {"role": "assistant", "content": "Other"}}, {"index": 0, "delta": {"role": "assistant"}}],
+        [{"index": 1, "delta": {"role": "assistant", "content": "Other"}},
+         {"index": 0, "delta": {"role": "assistant"}}],
         [{"index": 0, "delta": {"content": "Hello"}}],
         [{"index": 1, "delta": {"content": " words"}}, {"index": 0, "delta": {}, "finish_reason": "stop"}],
     ]

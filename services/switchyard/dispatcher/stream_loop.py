@@ -63,7 +63,8 @@ MAX_REQUEUES = 8
 stream, after the gateway's retries and fallback: :meth:`StreamEngine.refused_for_load`) waits again in the queue before that refusal is its answer.
 It waits again only while other streams are in flight to the upstream (one ending frees a place it took): a
 429 with nothing else in flight is not about this load and is answered at once. The wait is behind the limit,
-which each refusal brought down towards the streams the upstream took, one step of ``backoff_ratio`` at most (the endpoint's ``on_overload``): the gateway's retries inside
+which each refusal brought down towards the streams the upstream took, one step of ``backoff_ratio`` at most
+(the endpoint's ``on_overload``): the gateway's retries inside
 one call hold its slot and last a fraction of a second, while a queue of 40 behind a server that takes 4 needs
 seconds. Its own deadline bounds the wait, as any queued request's."""
 

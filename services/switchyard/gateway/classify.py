@@ -291,10 +291,11 @@ _PROMPT_COUNTS = (
     re.compile(r"prompt is too long: (\d+) tokens"),  # Anthropic: "prompt is too long: N tokens > M maximum"
     # Anthropic, the prompt fitting alone: "input length and `max_tokens` exceed context limit: N + O > M"
     re.compile(r"exceed context limit: (\d+) \+ \d+ >"),
-    re.compile(r"the request contains (\d+) tokens"),  # xAI: "maximum prompt length is M but the request contains N tokens"
+    re.compile(r"the request contains (\d+) tokens"),  # xAI: "... prompt length is M but the request contains N tokens"
     re.compile(r"The input token count \((\d+)\) exceeds"),  # the Gemini API
     re.compile(r'"n_prompt_tokens"\s*:\s*(\d+)'),  # llama.cpp's exceed_context_size_error: n_prompt_tokens, n_ctx
-    # llama.cpp's message, as Ollama relays it without the fields: "request (N tokens) exceeds the available context size"
+    # llama.cpp's message, as Ollama relays it without the fields: "request (N tokens) exceeds the available context
+    # size (M tokens)"
     re.compile(r"request \((\d+) tokens\) exceeds the available context size"),
 )
 """Where a server's refusal of a prompt too long for the context window says how many tokens it counted the

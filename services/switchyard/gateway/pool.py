@@ -506,8 +506,8 @@ class EndpointPool:
     def finished(self, endpoint: Endpoint, error: GatewayError | None = None) -> None:
         """A call :meth:`pick` placed on ``endpoint`` ended, with ``error`` or none; an error that says the
         upstream refused load (:attr:`GatewayError.refuses_load`: a 429 or 503, answered or inside the stream)
-        backs its limit off first, while the call still counts in flight, one bounded step per burst of refusals
-        (a burst lasting at least the wait its Retry-After asked for: :meth:`AdaptiveConcurrencyLimit.on_overload`)."""
+        backs its limit off first, while the call still counts in flight: one bounded step, given the wait its
+        Retry-After asked for (:meth:`AdaptiveConcurrencyLimit.on_overload`)."""
         if error is not None and error.refuses_load:
             endpoint.limit.on_overload(time.monotonic(), error.retry_after_s)
         endpoint.limit.ended()

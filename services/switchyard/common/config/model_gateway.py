@@ -155,9 +155,9 @@ class AdaptiveConcurrencyConfig(_Strict):
     )
     backoff_ratio: float = Field(
         0.5, gt=0, lt=1,
-        description="Factor the limit is multiplied by on a 429, 503 or 529 (overloaded), a fraction in (0, 1): one "
-        "burst of refusals (within a TTFT, or the wait a Retry-After asked for) takes the limit down to the other "
-        "streams in flight but never below this times the limit it found; each later burst steps again.",
+        description="Factor of the limit's one step down on a 429, 503 or 529 (overloaded), a fraction in (0, 1): a "
+        "refusal takes the limit down to the other streams in flight but never below this times itself; one with "
+        "nothing else in flight, or asking a Retry-After wait, steps once per TTFT or per that wait.",
     )
 
     @model_validator(mode="after")
