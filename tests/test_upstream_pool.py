@@ -102,7 +102,21 @@ def test_server_load_reads_each_servers_names():
     assert parse_server_load(llamacpp) == ServerLoad(waiting=1.0, running=1.0, kv_cache_usage=1.0)
     assert not parse_server_load("process_cpu_seconds_total 1.5\n").known
     with pytest.raises(ValueError):
-        parse_server_load("this is { not prometheus text\n")
+        parse_server_load("vllm:num_requests_waiting { not prometheus text\n")
+
+
+def test_server_load_reads_its_figures_past_lines_it_does_not_read_and_numbers_that_are_none():
+    """A line of another metric the parser cannot read costs no figure; NaN (a gauge before the server's first
+    step) and infinities are no figure; a negative count is none waiting."""
+    beside = ('vllm:num_requests_waiting{model_name="m"} 2\n'
+              '{"vllm.some_utf8_name", model_name="m"} 1\n'  # Prometheus 3's quoted names, not read by this parser
+              'this is { not prometheus text\n'
+              'vllm:num_requests_running{model_name="m"} 3\n')
+    assert parse_server_load(beside) == ServerLoad(waiting=2.0, running=3.0)
+    assert parse_server_load("vllm:kv_cache_usage_perc NaN\nvllm:num_requests_running +Inf\n") == ServerLoad()
+    mixed = 'vllm:kv_cache_usage_perc{engine="0"} NaN\nvllm:kv_cache_usage_perc{engine="1"} 0.4\n'
+    assert parse_server_load(mixed) == ServerLoad(kv_cache_usage=pytest.approx(0.4))
+    assert parse_server_load("tgi_queue_size -1\n") == ServerLoad(waiting=0.0)
 
 
 async def test_sim_openai_metrics_count_waiting_streams_kv_and_prefix_hits(clean_proxy_env):

@@ -18,12 +18,18 @@ llama.cpp server   ``llamacpp:requests_deferred``      ``llamacpp:requests_proce
 TGI ``router/src/``; llama.cpp ``tools/server/server.cpp``; the Gateway API
 Inference Extension's model-server protocol names the vLLM ones.) Counts of
 one name are summed over their label sets (one per served model or
-data-parallel engine), KV fractions averaged. The text is
-parsed by ``prometheus_client``'s own parser.
+data-parallel engine), KV fractions averaged. A sample that is no finite
+number (a gauge read ``NaN`` before the server's first step) is no figure.
+The lines of the metrics above, and only those, are parsed by
+``prometheus_client``'s own parser: a server's ``/metrics`` carries hundreds
+of histogram buckets the router never reads, and a line of another metric
+that parser cannot read (a newer exposition's syntax, say) costs none of
+these figures.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,6 +39,7 @@ RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "tgi_batch_cu
            "llamacpp:requests_processing")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
             "llamacpp:kv_cache_usage_ratio")
+_WANTED = frozenset(WAITING + RUNNING + KV_USAGE)
 
 
 @dataclass(frozen=True)
@@ -52,19 +59,34 @@ class ServerLoad:
         return self.waiting is not None or self.running is not None or self.kv_cache_usage is not None
 
 
+def _wanted_lines(text: str) -> str:
+    """The lines of ``text`` that are a sample, or a ``# TYPE`` / ``# HELP`` line, of a metric in :data:`_WANTED`:
+    the metric name is what precedes a line's ``{`` or first blank."""
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            words = line.split(None, 3)
+            if len(words) >= 3 and words[1] in ("TYPE", "HELP") and words[2] in _WANTED:
+                kept.append(line)
+        elif (name := line.split("{", 1)[0].strip().split(" ", 1)[0]) and name in _WANTED:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
 def parse_server_load(text: str) -> ServerLoad:
-    """The :class:`ServerLoad` in a Prometheus text exposition (``/metrics`` body).
+    """The :class:`ServerLoad` in a Prometheus text exposition (``/metrics`` body), from the lines of the metrics
+    it reads (:data:`WAITING`, :data:`RUNNING`, :data:`KV_USAGE`); other lines are not parsed.
 
     Raises:
-        ValueError: the text is not Prometheus exposition format.
+        ValueError: a line of those metrics is not Prometheus exposition format.
     """
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
-    wanted = set(WAITING + RUNNING + KV_USAGE)
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_wanted_lines(text)):
         for sample in family.samples:
-            if sample.name in wanted:
-                sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+            value = float(sample.value)
+            if sample.name in _WANTED and math.isfinite(value):
+                sums[sample.name] = sums.get(sample.name, 0.0) + value
                 counts[sample.name] = counts.get(sample.name, 0) + 1
 
     def first(names: tuple[str, ...], mean: bool = False) -> float | None:
@@ -74,4 +96,6 @@ def parse_server_load(text: str) -> ServerLoad:
         return sums[name] / counts[name] if mean else sums[name]
 
     kv = first(KV_USAGE, mean=True)  # a fraction per engine (data-parallel ranks): their mean
-    return ServerLoad(first(WAITING), first(RUNNING), None if kv is None else max(0.0, min(1.0, kv)))
+    waiting, running = first(WAITING), first(RUNNING)
+    return ServerLoad(None if waiting is None else max(0.0, waiting), None if running is None else max(0.0, running),
+                      None if kv is None else max(0.0, min(1.0, kv)))
