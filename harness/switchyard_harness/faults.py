@@ -53,6 +53,8 @@ class Fault:
       reasoning parser does (counted in the usage's completion tokens).
     - ``stream_type``: label the stream with this Content-Type instead of ``text/event-stream`` (``none``: no
       Content-Type header), as LitServe's OpenAI spec sent ``application/x-ndjson``.
+    - ``said``: with ``status``, the error body's ``message`` in place of the status's own words (a server that
+      names an address of its own in them, as a proxy's "connect to http://10.0.0.9:8000 failed" does).
     """
 
     status: int | None = None
@@ -73,6 +75,7 @@ class Fault:
     finish: str | None = None
     reasoning: int = 0
     stream_type: str = "text/event-stream"
+    said: str | None = None
 
     def retry_headers(self, now: float) -> dict[str, str]:
         """The Retry-After headers of this fault's status answer; ``now`` is ``time.time()``."""
@@ -87,7 +90,7 @@ class Fault:
 
 
 _INTS = {"status", "fail_first", "cut_after", "malformed_after", "stream_error", "reasoning"}
-_WORDS = {"finish", "stream_type"}
+_WORDS = {"finish", "stream_type", "said"}
 _STATUSES = {"status", "stream_error"}
 
 

@@ -163,7 +163,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     )
 
 
-def _status_error(status: int, model: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def _status_error(status: int, model: str, headers: dict[str, str] | None = None,
+                  said: str | None = None) -> JSONResponse:
     kinds = {
         400: ("bad request (injected)", "invalid_request_error"),
         401: ("invalid API key (injected)", "invalid_api_key"),
@@ -171,6 +172,7 @@ def _status_error(status: int, model: str, headers: dict[str, str] | None = None
         429: ("Rate limit reached (injected)", "rate_limit_exceeded"),
     }
     message, code = kinds.get(status, (f"upstream failure {status} (injected)", "server_error"))
+    message = said if said is not None else message
     return JSONResponse({"error": {"message": message, "type": "sim_fault", "code": code}}, status_code=status,
                         headers=headers)
 
@@ -455,7 +457,7 @@ class SimOpenAI:
             return _error(404, f"The model `{model}` does not exist or you do not have access to it.",
                           "model_not_found")
         if fault is not None and fault.status and (not fault.fail_first or count <= fault.fail_first):
-            return _status_error(fault.status, model, fault.retry_headers(time.time()))
+            return _status_error(fault.status, model, fault.retry_headers(time.time()), fault.said)
         priority = body.get("priority", 0)
         if not self.options.priority_scheduling and priority != 0:
             error = {"error": {"message": f"Got priority {priority} but Priority scheduling is not enabled.",

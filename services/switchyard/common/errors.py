@@ -14,6 +14,8 @@ stream cut or a dead proxy is therefore never blamed on a healthy dispatcher.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import grpc
 
 from switchyard.common import untrusted
@@ -178,12 +180,17 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException, service: str,
-                trailing: tuple[tuple[str, str | bytes], ...] = ()) -> None:
+                trailing: tuple[tuple[str, str | bytes], ...] = (),
+                shown: Callable[[str, str], str] | None = None) -> None:
     """End the RPC with ``exc``'s status, naming its hop (``exc.origin``, else ``service``) in the
     trailing metadata under :data:`ORIGIN_KEY`, beside ``trailing`` (more trailers: a key ending ``-bin`` carries
-    bytes). Always raises (``grpc.aio.AbortError``)."""
+    bytes). ``shown``: what the caller reads of the details, given them and the hop (the orchestrator's edge
+    hides internal addresses from tenants: orchestrator/addresses.py); None: the details as they are.
+    Always raises (``grpc.aio.AbortError``)."""
     code, details = status_for(exc)
     origin = hop_of(exc, service)
+    if shown is not None:
+        details = shown(details, origin)
     await context.abort(code, details, trailing_metadata=((ORIGIN_KEY, origin), *trailing))
 
 

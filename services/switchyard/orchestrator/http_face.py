@@ -26,7 +26,8 @@ The submit and run bodies are JSON (``Content-Type: application/json``, else
 415) of at most :attr:`HttpFace.body_max_bytes` (else 413); ``task_type`` is
 required, and ``agent_id`` in the body or as ``X-Agent-Id`` (http_models.py).
 
-Errors answer ``{"error": {"code", "message", "origin"}}`` with the HTTP status
+Errors answer ``{"error": {"code", "message", "origin"}}`` (the message as the gRPC edge words it, internal
+addresses hidden unless ``orchestrator.show_addresses_to_callers``: orchestrator/addresses.py) with the HTTP status
 of the gRPC code (errors.HTTP_STATUS: 400, 401, 403, 404, 409, 429, 503, 504),
 or the face's own: 405 (a wrong method) and 501 (a method no route knows, a
 Transfer-Encoding other than chunked alone) (UNIMPLEMENTED), 413, 415, 431 (a header line past 8190 bytes, or too many
@@ -849,7 +850,8 @@ class HttpFace(Drains, HealthOwner):
             code, details = status_for(exc)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("HTTP %s failed", make)
-            return _error(code, details, hop_of(exc, "orchestrator"))
+            origin = hop_of(exc, "orchestrator")
+            return _error(code, self.service.shown(details, origin), origin)
 
     async def submit(self, request: web.Request) -> web.Response:
         async def call() -> web.Response:
@@ -901,8 +903,8 @@ class HttpFace(Drains, HealthOwner):
         orchestrator takes tasks of its default type, else 503 (UNAVAILABLE, with Retry-After) naming why
         (:meth:`OrchestratorService.not_ready`), as its gRPC health name ``agent.AgentService`` answers."""
         problem = self.service.not_ready()
-        if problem is not None:
-            return _error(grpc.StatusCode.UNAVAILABLE, f"ready: {problem}")
+        if problem is not None:  # a probe's answer, asked every few seconds: hidden as an error is, not logged
+            return _error(grpc.StatusCode.UNAVAILABLE, f"ready: {self.service.edge.text(problem)}")
         return web.json_response({"status": "serving"})
 
     async def run(self, request: web.Request) -> web.StreamResponse:

@@ -51,6 +51,7 @@ from switchyard.common.server import GRPC_SERVICES, Drains, EndsStreams, HealthO
 from switchyard.common.tasks import settle
 from switchyard.common.tenant import DEFAULT_TENANT, agent_key
 from switchyard.orchestrator import prompts, tokens
+from switchyard.orchestrator.addresses import EdgeText
 from switchyard.orchestrator.agent_memory import AgentMemory
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient, reported_window
 from switchyard.orchestrator.events import event_stream
@@ -73,6 +74,9 @@ from switchyard.orchestrator.validation import TaskSpec, apply_edge_headers, edg
 from switchyard.orchestrator.workflows import WORKFLOWS, check_question_fits
 
 log = logging.getLogger(__name__)
+
+ERROR_EVENT = "switchyard.error"
+"""The span event that keeps an error's whole message where its caller was answered with addresses hidden."""
 
 
 def _trace_id() -> str:
@@ -171,6 +175,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
     def __init__(self, config: SwitchyardConfig) -> None:
         self.config = config
+        self.edge = EdgeText(config.orchestrator.show_addresses_to_callers)
+        """What callers read of the messages that leave this edge (both faces): internal addresses hidden."""
         self.tasks: TaskStore = make_task_store(config)
         self._submitted = SubmittedTasks(config.orchestrator.max_running_submitted_tasks)
         self._restarts: set[asyncio.TimerHandle] = set()
@@ -539,6 +545,24 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                                      f"(within orchestrator.health_check_timeout_s = "
                                      f"{self.config.orchestrator.health_check_timeout_s:g} s)")
 
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        """End the call with ``exc``'s status (:func:`abort`), its details as the caller reads them
+        (:meth:`shown`). Always raises."""
+        await abort(context, exc, self.name, shown=self.shown)
+
+    def shown(self, details: str, hop: str = "") -> str:
+        """``details`` (an error message of ``hop``) as a caller of either face reads it (:class:`EdgeText`:
+        internal addresses hidden unless ``orchestrator.show_addresses_to_callers``). Where that changes them,
+        the whole message stays in the operator's view: an ``exception``-style event on the call's span
+        (``switchyard.error.message``) and a log line."""
+        text = self.edge.text(details, hop)
+        if text != details:
+            trace.get_current_span().add_event(ERROR_EVENT, {"switchyard.error.message": details,
+                                                             "switchyard.error.origin": hop or self.name})
+            log.info("a caller was answered with internal addresses hidden (orchestrator.show_addresses_to_callers "
+                     "= false); in full, from %s: %s", hop or self.name, details)
+        return text
+
     # ------------------------------------------------------------------ RPCs
 
     async def RunTask(
@@ -561,7 +585,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             self._refuse_new_work()
             self._check_ready(spec.workflow)
         except SwitchyardError as exc:
-            await abort(context, exc, self.name)
+            await self._abort(context, exc)
         self._record_metadata(request.metadata)
         events = event_stream()
         task = asyncio.create_task(self._execute(self._new_task(spec, events.put, context)),
@@ -577,7 +601,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         hold_until: float | None = None
         try:
             while (event := await events.get(hold_until)) is not None:
-                yield event
+                yield self.edge.event(event)
                 if hold_s and event.HasField("token"):
                     hold_until = clock() + hold_s
             ended = self._ended_by_stop.pop(task, None)  # the drain ended it (end_streams): its error, not a cancel
@@ -592,7 +616,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         if exc is not None:
             if status_for(exc)[0] == grpc.StatusCode.INTERNAL:
                 log.exception("task %s failed", spec.task_id, exc_info=exc)
-            await abort(context, exc, self.name)
+            await self._abort(context, exc)
 
     async def SubmitTask(
         self, request: agent_pb2.RunTaskRequest, context: grpc.aio.ServicerContext
@@ -635,23 +659,23 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                              expected=lambda e: isinstance(e, SwitchyardError))
             record, accepted = await asyncio.shield(placing)
         except SwitchyardError as exc:
-            await abort(context, exc, self.name)
+            await self._abort(context, exc)
         if accepted is not None:
             return accepted
         owner = record.tenant_id or DEFAULT_TENANT
         if owner != spec.tenant_id:
             if not self._visible_to_caller(record.tenant_id, context):  # nothing said of it but that it is taken
-                await abort(context, SwitchyardError(
+                await self._abort(context, SwitchyardError(
                     f"task_id: {shown(spec.task_id)} is taken (task ids are one namespace across tenants); use a "
-                    "new task_id, or leave it empty for a random one", grpc.StatusCode.ALREADY_EXISTS), self.name)
-            await abort(context, SwitchyardError(
+                    "new task_id, or leave it empty for a random one", grpc.StatusCode.ALREADY_EXISTS))
+            await self._abort(context, SwitchyardError(
                 f"task_id: {shown(spec.task_id)} already exists under tenant {owner!r}, and this request is tenant "
                 f"{spec.tenant_id!r}; send x-tenant-id: {owner} to get that task, or use a new task_id",
-                grpc.StatusCode.ALREADY_EXISTS), self.name)
+                grpc.StatusCode.ALREADY_EXISTS))
         if record.fingerprint != fingerprint(fields):
-            await abort(context, SwitchyardError(
+            await self._abort(context, SwitchyardError(
                 f"task_id: {shown(spec.task_id)} already exists with a different request; resubmit the identical "
-                "request to get that task, or use a new task_id", grpc.StatusCode.ALREADY_EXISTS), self.name)
+                "request to get that task, or use a new task_id", grpc.StatusCode.ALREADY_EXISTS))
         live = self._submitted.get(record.task_id)  # this process's state where it holds the task
         state = live.to_status(0).state if live is not None else record.state
         return agent_pb2.Accepted(task_id=record.task_id, queue_position=self._queue_position(record.task_id),
@@ -935,17 +959,17 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """
         task_id = request.task_id
         if not task_id:
-            await abort(context, InvalidArgument("task_id", "the id SubmitTask returned"), self.name)
+            await self._abort(context, InvalidArgument("task_id", "the id SubmitTask returned"))
         await self._check_lookup_ids(context, task_id)
         unknown = self._no_task(task_id)
         live = self._submitted.get(task_id)
         if live is not None and not self._visible_to_caller(live.tenant_id, context):
-            await abort(context, SwitchyardError(unknown, grpc.StatusCode.NOT_FOUND), self.name)
+            await self._abort(context, SwitchyardError(unknown, grpc.StatusCode.NOT_FOUND))
         status = await self._cancel_held(task_id)
         if status is not None:
-            return status
+            return self.edge.status(status)
         if task_id in self._undeleted:  # no task: nothing holds it, and nothing would end it
-            await abort(context, SwitchyardError(self._refused_task(task_id), grpc.StatusCode.NOT_FOUND), self.name)
+            await self._abort(context, SwitchyardError(self._refused_task(task_id), grpc.StatusCode.NOT_FOUND))
         try:
             record = await self.tasks.get(task_id)
             if record is None or not self._visible_to_caller(record.tenant_id, context):
@@ -953,8 +977,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             if not record.finished:  # another's, or this one's not yet in its backlog (SubmitTask between the two)
                 record = await self._cancel_elsewhere(record, context.time_remaining())
         except SwitchyardError as exc:
-            await abort(context, exc, self.name)
-        return record.to_status()
+            await self._abort(context, exc)
+        return self.edge.status(record.to_status())
 
     def _no_task(self, task_id: str) -> str:
         """NOT_FOUND's words for a task_id the store has no record of (CancelTask's and GetTaskStatus's)."""
@@ -1073,11 +1097,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             try:
                 check_id(value, name, most, key)
             except InvalidArgument as exc:
-                await abort(context, exc, self.name)
+                await self._abort(context, exc)
         try:
             edge_tenant(context.invocation_metadata(), self.bearer_tokens())
         except SwitchyardError as exc:
-            await abort(context, exc, self.name)
+            await self._abort(context, exc)
 
     async def GetTaskStatus(
         self, request: agent_pb2.GetTaskStatusRequest, context: grpc.aio.ServicerContext
@@ -1096,9 +1120,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         that does not exist (its existence is not told).
         """
         if not request.task_id and not request.agent_id:
-            await abort(context, SwitchyardError(
+            await self._abort(context, SwitchyardError(
                 "task_id: expected the id SubmitTask returned (or agent_id: an agent's latest task)",
-                grpc.StatusCode.INVALID_ARGUMENT), self.name)
+                grpc.StatusCode.INVALID_ARGUMENT))
         await self._check_lookup_ids(context, request.task_id, request.agent_id)
         retention = self.config.orchestrator.task_store.retention_s
         try:
@@ -1109,25 +1133,25 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             else:
                 record = await self.tasks.latest_of_agent(request.agent_id, tenant)
         except SwitchyardError as exc:
-            await abort(context, exc, self.name)
+            await self._abort(context, exc)
         if record is not None and not self._visible_to_caller(record.tenant_id, context):
             record = None
         if (record is not None and request.task_id and request.agent_id
                 and agent_key(record.tenant_id or DEFAULT_TENANT, record.agent_id) != agent_key(tenant, request.agent_id)):
-            await abort(context, SwitchyardError(
+            await self._abort(context, SwitchyardError(
                 f"agent_id: no task {shown(request.task_id)} of agent {shown(request.agent_id)} (the task_id names "
                 "another agent's task; give the task_id alone, or the agent_id alone for its latest task)",
-                grpc.StatusCode.NOT_FOUND), self.name)
+                grpc.StatusCode.NOT_FOUND))
         if record is not None and request.task_id and record.task_id in self._undeleted:
-            await abort(context, SwitchyardError(self._refused_task(record.task_id), grpc.StatusCode.NOT_FOUND),
-                        self.name)
+            await self._abort(context, SwitchyardError(self._refused_task(record.task_id), grpc.StatusCode.NOT_FOUND))
         if record is None:
-            await abort(context, SwitchyardError(
+            await self._abort(context, SwitchyardError(
                 self._no_task(request.task_id) if request.task_id else
                 f"agent_id: agent {shown(request.agent_id)} submitted no task (or none in the last {retention:g} s: "
-                "orchestrator.task_store.retention_s)", grpc.StatusCode.NOT_FOUND), self.name)
+                "orchestrator.task_store.retention_s)", grpc.StatusCode.NOT_FOUND))
         live = self._submitted.get(record.task_id)
-        return live.to_status(self._queue_position(record.task_id)) if live is not None else record.to_status()
+        return self.edge.status(live.to_status(self._queue_position(record.task_id)) if live is not None
+                                else record.to_status())
 
 
 class GrpcEdge(agent_pb2_grpc.AgentServiceServicer):

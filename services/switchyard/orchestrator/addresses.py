@@ -1,0 +1,161 @@
+"""What a tenant reads of an error: the messages that leave the orchestrator's edge, internal addresses hidden.
+
+An error message names where it happened: the model server's URL (``upstream 503 from
+http://10.0.3.7:8000/v1/chat/completions (upstream said ...)``), a pool's endpoints (``10.0.3.7:8000``), a
+downstream service's address (``dispatcher service unavailable at 10.0.0.5:50053``), a proxy's, and sometimes
+a URL inside the server's own quoted words. The operator needs them (logs, spans and ``switchyard doctor``
+keep them whole); a tenant of a shared deployment does not, and they tell it the deployment's topology.
+
+:class:`EdgeText` is the one place such a message is rewritten for its caller: every exit of the edge passes
+through it (the gRPC status details of every AgentService method, RunTask's error tool results, a task's
+stored error as GetTaskStatus and CancelTask answer it, and the HTTP face's JSON errors and SSE ``error``
+events, which are the same servicer's). Each address becomes a name that says what it was without where:
+a URL in an error the upstream model (or the proxy before it) answered is ``the model server`` (or ``the
+proxy``: :data:`UPSTREAM_HOPS`), any other address :data:`HIDDEN`; the status, the server's own words (its key already redacted) and the fix stay.
+``orchestrator.show_addresses_to_callers`` (default false) leaves addresses in, for a single-tenant
+deployment; credentials in a URL (``user:password@``) and its query (``?api-key=...``) are taken out even then.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit, urlunsplit
+
+from switchyard.api import agent_pb2
+
+HIDDEN = "[address hidden]"
+"""What an address becomes where nothing names what it was."""
+
+MODEL_SERVER = "the model server"
+PROXY = "the proxy"
+UPSTREAM_HOPS = frozenset({"upstream model", "proxy"})
+"""The hops (``switchyard-error-origin``) whose errors' URLs are named, not only hidden: an upstream model's
+error names the model server's URLs (its chat completions, its model list, its metrics: each a path under its
+base URL), a proxy's names the proxy (a URL without a path, ``HTTPS_PROXY=http://proxy:3128``) beside the
+model server's URL it was calling."""
+
+
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]*")
+"""A URL with a scheme (``http://``, ``https://``, ``dns:///``, ``unix://``): to the first space or quote."""
+_TRAILING = ".,;:!?)]}"
+"""Characters that end a sentence or a parenthesis after a URL, not part of it (unless it opened them)."""
+_IPV6 = re.compile(r"\[[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(?:%[\w.]+)?\](?::\d{1,5})?")
+"""A bracketed IPv6 address, port optional: ``[fd00::7]:8000``."""
+_GRPC_ADDRESS = re.compile(r"\b(?:ipv4|ipv6|unix|unix-abstract|vsock):[^\s'\",;)]*[^\s'\",;):.]")
+"""gRPC's resolved addresses in its words: ``ipv4:10.0.0.5:50053``, ``ipv6:%5B::1%5D:50053``, ``unix:/run/s``."""
+_IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?(?![\w.])")
+"""An IPv4 address, port optional."""
+_HOST_PORT = re.compile(r"(?<![\w.:/@-])(?=[\w.-]*[A-Za-z])[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+                        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*:\d{3,5}(?![\w.]|:\d)")
+"""A host name with a port: ``model-a.serving.svc:8000``, ``dispatcher:50053``, ``localhost:8400`` (a name holds a
+letter, and the port three digits or more: ``12:30`` and ``agent:42`` are no address)."""
+_CLUSTER_NAME = re.compile(r"(?<![\w.-])[A-Za-z0-9][\w-]*(?:\.[\w-]+)*\.(?:svc(?:\.cluster\.local)?|cluster\.local"
+                           r"|internal|local|lan|localdomain)\b(?![.-]\w)")
+"""A host name of a private network without a port: ``vllm.serving.svc.cluster.local``, ``ip-10-0-3-7.ec2.internal``."""
+
+
+def _url_end(text: str, start: int, end: int) -> int:
+    """Where the URL found at ``text[start:end]`` ends: without a sentence's punctuation after it, nor a closing
+    bracket it did not open (``(from http://h:8000/v1)``)."""
+    while end > start and text[end - 1] in _TRAILING:
+        url = text[start:end]
+        closer = text[end - 1]
+        opener = {")": "(", "]": "[", "}": "{"}.get(closer)
+        if opener is not None and url.count(opener) >= url.count(closer):
+            break
+        end -= 1
+    return end
+
+
+def _url_name(url: str, hop: str) -> str:
+    """What ``url`` is named in an error of ``hop`` (:data:`UPSTREAM_HOPS`): the model server, the proxy (a
+    pathless URL in a proxy's error), else :data:`HIDDEN`."""
+    if hop not in UPSTREAM_HOPS:
+        return HIDDEN
+    try:
+        pathless = urlsplit(url).path in ("", "/")
+    except ValueError:
+        return HIDDEN
+    return PROXY if hop == "proxy" and pathless else MODEL_SERVER
+
+
+def without_credentials(url: str) -> str:
+    """``url`` without its userinfo (``user:password@``), query and fragment: where credentials ride in a URL.
+    A text that does not parse as a URL is :data:`HIDDEN`."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc.rpartition("@")[2]
+        return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    except ValueError:
+        return HIDDEN
+
+
+class EdgeText:
+    """Rewrites what leaves the edge for a caller (module docstring): internal addresses hidden, unless
+    ``show_addresses`` (``orchestrator.show_addresses_to_callers``), when only URLs' credentials are taken out.
+
+    Args:
+        show_addresses: leave addresses in the messages callers read.
+    """
+
+    def __init__(self, show_addresses: bool) -> None:
+        self.show_addresses = show_addresses
+
+    def text(self, message: str, hop: str = "") -> str:
+        """``message`` as its caller reads it. ``hop``: the hop that answered the error (``upstream model``,
+        ``proxy``, ``dispatcher``, ...; :data:`UPSTREAM_HOPS`), which names its URLs; "" for a message of no one hop
+        (a task's stored error: every URL is :data:`HIDDEN`, or the hop's name where the message says
+        whose it is)."""
+        out: list[str] = []
+        at = 0
+        for found in _URL.finditer(message):
+            start, end = found.start(), _url_end(message, found.start(), found.end())
+            if start < at:
+                continue
+            out.append(self._bare(message[at:start]))
+            url = message[start:end]
+            out.append(without_credentials(url) if self.show_addresses else _url_name(url, hop))
+            at = end
+        out.append(self._bare(message[at:]))
+        return "".join(out)
+
+    def _bare(self, text: str) -> str:
+        """``text`` (holding no URL) with its bare addresses hidden: IPs, host:port, private host names."""
+        if self.show_addresses:
+            return text
+        for pattern in (_GRPC_ADDRESS, _IPV6, _IPV4, _HOST_PORT, _CLUSTER_NAME):
+            text = pattern.sub(HIDDEN, text)
+        return text
+
+    def status(self, status: agent_pb2.TaskStatus) -> agent_pb2.TaskStatus:
+        """A task's status as its caller reads it: its ``error`` (``CODE: message``, as the task store holds
+        it) through :meth:`text`; ``status`` itself where nothing changes, else a copy (the store's and this
+        process's records keep the whole message)."""
+        if not status.error:
+            return status
+        relayed = _RELAYED.match(status.error)
+        shown = self.text(status.error, relayed.group("hop") if relayed else "")
+        if shown == status.error:
+            return status
+        copy = agent_pb2.TaskStatus()
+        copy.CopyFrom(status)
+        copy.error = shown
+        return copy
+
+    def event(self, event: agent_pb2.TaskEvent) -> agent_pb2.TaskEvent:
+        """A RunTask event as its caller reads it: an error tool result's ``content`` (a tool's failure, which
+        may name a downstream service's address) through :meth:`text`; every other event is ``event`` itself."""
+        if event.WhichOneof("event") != "tool_result" or not event.tool_result.is_error:
+            return event
+        shown = self.text(event.tool_result.content)
+        if shown == event.tool_result.content:
+            return event
+        copy = agent_pb2.TaskEvent()
+        copy.CopyFrom(event)
+        copy.tool_result.content = shown
+        return copy
+
+
+_RELAYED = re.compile(r"^[A-Z_]+: (?P<hop>[a-z][a-z ]*) \(via ")
+"""A stored error (``CODE: message``) a downstream service relayed from the hop that answered it, as the
+orchestrator words it (``upstream model (via dispatcher at ADDRESS): ...``: clients.py ``_hop_error``)."""

@@ -1,0 +1,268 @@
+"""What a tenant reads of an error names no internal address; the operator's log and span keep it whole.
+
+A real stack on 127.0.0.1 (orchestrator with its HTTP face, a dispatcher on the ``openai`` engine) in front of
+sim-openai answering 400 or 503 with words that name an address of their own: every exit of the edge (RunTask's
+gRPC status, the HTTP face's SSE ``error`` event and JSON error, GetTaskStatus's stored error on both faces)
+hides the model server's address, and shows it with ``orchestrator.show_addresses_to_callers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import grpc
+import httpx
+import pytest
+from gateway_fixtures import clean_proxy_env, start_sim  # noqa: F401
+from httpx_sse import aconnect_sse
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common import telemetry
+from switchyard.common.channels import open_channel
+from switchyard.common.config import SwitchyardConfig, load_config
+from switchyard.common.server import running, start_server
+from switchyard.dispatcher.engines import make_engine
+from switchyard.dispatcher.service import DispatcherService
+from switchyard.orchestrator.addresses import HIDDEN, EdgeText
+from switchyard.orchestrator.http_face import HttpFace
+from switchyard.orchestrator.service import ERROR_EVENT, OrchestratorService
+from switchyard_harness.faults import Fault
+
+MODEL = "acme/served-8b"
+ROUTER = "http://10.9.8.7:9000/route"
+SAID = f"bad request: the router at {ROUTER} refused it"
+"""The server's own words, naming an address of its own (as a proxy in front of a model server does)."""
+BODY = {"agent_id": "a1", "payload": "hi", "task_type": "chat"}
+
+
+def config_for(base_url: str, store: Path, **overrides: Any) -> SwitchyardConfig:
+    return load_config("config").with_overrides(**{
+        "dispatcher.engine": "openai", "upstream.base_url": base_url, "upstream.default_model": MODEL,
+        "upstream.fallback_model": "", "upstream.api_key_required": False, "upstream.max_retries": 0,
+        "orchestrator.cpu_executor": "loop", "orchestrator.task_store.sqlite_path": str(store / "tasks.sqlite3"),
+        **overrides})
+
+
+class Stack:
+    """The stack's two faces and the orchestrator's spans."""
+
+    def __init__(self, stub: agent_pb2_grpc.AgentServiceStub, client: httpx.AsyncClient,
+                 exporter: InMemorySpanExporter) -> None:
+        self.stub, self.client, self.exporter = stub, client, exporter
+
+    async def run_error(self) -> grpc.aio.AioRpcError:
+        """RunTask's status: the stream ends with an error."""
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in self.stub.RunTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat", agent_id="a1")):
+                pass
+        return caught.value
+
+    async def sse_error(self) -> dict[str, str]:
+        """The HTTP face's run: accepted, then the ``error`` event that ends the stream."""
+        async with aconnect_sse(self.client, "POST", "/api/v1/agent/run", json=BODY) as source:
+            events = [(event.event, event.json()) async for event in source.aiter_sse()]
+        assert [kind for kind, _ in events][0] == "accepted" and events[-1][0] == "error", events
+        return events[-1][1]["error"]
+
+    async def stored_errors(self) -> tuple[str, str]:
+        """A submitted task's error once FAILED, as GetTaskStatus answers it on gRPC and on HTTP."""
+        accepted = await self.stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat", agent_id="a1"))
+        for _ in range(500):
+            status = await self.stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id=accepted.task_id))
+            if status.state == agent_pb2.FAILED:
+                break
+            await asyncio.sleep(0.02)
+        assert status.state == agent_pb2.FAILED, status
+        reply = await self.client.get(f"/api/v1/tasks/{accepted.task_id}")
+        assert reply.status_code == 200, reply.text
+        return status.error, reply.json()["error"]
+
+    def run_task_spans(self) -> list[Any]:
+        return [s for s in self.exporter.get_finished_spans()
+                if s.name == "agent.AgentService/RunTask" and s.kind.name == "SERVER"]
+
+
+@contextlib.asynccontextmanager
+async def stack(cfg: SwitchyardConfig) -> AsyncIterator[Stack]:
+    """An orchestrator (traced into an in-memory exporter) and its HTTP face before a dispatcher of ``cfg``."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server) as disp:
+        orch_cfg = cfg.with_overrides(**{"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}"})
+        orch = OrchestratorService(orch_cfg)
+        face = HttpFace(orch, orch_cfg, port=0)
+        srv = await start_server([orch, face], "127.0.0.1", 0, cfg.server, telemetry.server_interceptors(provider))
+        try:
+            async with open_channel(f"127.0.0.1:{srv.port}") as channel, \
+                    httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
+                yield Stack(agent_pb2_grpc.AgentServiceStub(channel), client, exporter)
+        finally:
+            await srv.stop(1.0)
+
+
+def address_of(base_url: str) -> str:
+    """``127.0.0.1:PORT`` of a base URL."""
+    return base_url.split("://", 1)[1].split("/", 1)[0]
+
+
+async def test_a_tenant_reads_the_upstreams_error_without_its_address_the_operator_whole(
+        clean_proxy_env, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="switchyard.orchestrator.service")
+    with start_sim(models=[MODEL], faults={"*": Fault(status=400, said=SAID)}) as sim:
+        address = address_of(sim.base_url)
+        async with stack(config_for(sim.base_url, tmp_path)) as s:
+            run = await s.run_error()
+            sse = await s.sse_error()
+            stored_grpc, stored_http = await s.stored_errors()
+            spans = s.run_task_spans()
+    assert run.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for text in (run.details(), sse["message"], stored_grpc, stored_http):
+        assert address not in text and "10.9.8.7" not in text and "://" not in text, text
+        # the endpoint named without its address; the status, the server's words and the fix kept
+        assert "upstream 400 from the model server (upstream said 'bad request: the router at the model server " \
+               f"refused it'): the request for model {MODEL!r} was rejected, not retried" in text, text
+    assert sse["code"] == "INVALID_ARGUMENT" and sse["origin"] == "upstream model"
+    assert stored_grpc.startswith(f"INVALID_ARGUMENT: upstream model (via dispatcher at {HIDDEN}): upstream 400 from "
+                                  "the model server")
+    # the operator's view: the whole message in the orchestrator's log and on the RunTask span
+    assert f"upstream 400 from {sim.base_url}/chat/completions" in caplog.text and ROUTER in caplog.text
+    assert spans and all(address not in (span.status.description or "") for span in spans)
+    whole = [event.attributes["switchyard.error.message"] for span in spans for event in span.events
+             if event.name == ERROR_EVENT]
+    assert whole and f"upstream 400 from {sim.base_url}/chat/completions" in whole[0] and ROUTER in whole[0]
+
+
+async def test_with_the_opt_in_a_tenant_reads_the_address(clean_proxy_env, tmp_path):
+    with start_sim(models=[MODEL], faults={"*": Fault(status=400, said=SAID)}) as sim:
+        cfg = config_for(sim.base_url, tmp_path, **{"orchestrator.show_addresses_to_callers": True})
+        async with stack(cfg) as s:
+            run = await s.run_error()
+            sse = await s.sse_error()
+            stored = await s.stored_errors()
+    for text in (run.details(), sse["message"], *stored):
+        assert f"upstream 400 from {sim.base_url}/chat/completions (upstream said 'bad request: the router at " \
+               f"{ROUTER} refused it')" in text, text
+
+
+async def test_an_overloaded_servers_503_names_the_model_server_and_keeps_its_words(clean_proxy_env, tmp_path):
+    with start_sim(models=[MODEL], faults={"*": Fault(status=503)}) as sim:
+        address = address_of(sim.base_url)
+        async with stack(config_for(sim.base_url, tmp_path)) as s:
+            run = await s.run_error()
+            sse = await s.sse_error()
+    assert run.code() == grpc.StatusCode.UNAVAILABLE
+    for text in (run.details(), sse["message"]):
+        assert address not in text, text
+        assert ("upstream 503 from the model server (upstream said 'upstream failure 503 (injected)'): the model "
+                f"server failed for model {MODEL!r}; retry later or check its logs") in text, text
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_a_dispatcher_that_does_not_answer_is_named_without_its_address(tmp_path):
+    """The orchestrator's own error (ServiceUnavailable) before a task is accepted: the gRPC status and the HTTP
+    face's JSON error body."""
+    dead = f"127.0.0.1:{free_port()}"
+    cfg = load_config("config").with_overrides(**{
+        "dispatcher.engine": "sim", "orchestrator.dispatcher_addr": dead, "orchestrator.cpu_executor": "loop",
+        "orchestrator.task_store.sqlite_path": str(tmp_path / "tasks.sqlite3")})
+    orch = OrchestratorService(cfg)
+    face = HttpFace(orch, cfg, port=0)
+    async with running([orch, face], cfg.server) as srv:
+        async with open_channel(f"127.0.0.1:{srv.port}") as channel, \
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in agent_pb2_grpc.AgentServiceStub(channel).RunTask(
+                        agent_pb2.RunTaskRequest(payload="hi", task_type="chat", agent_id="a1")):
+                    pass
+            reply = await client.post("/api/v1/agent/run", json=BODY)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert reply.status_code == 503, reply.text
+    for text in (caught.value.details(), reply.json()["error"]["message"]):
+        assert dead not in text and "127.0.0.1" not in text, text
+        assert f"dispatcher service unavailable at {HIDDEN}" in text, text
+
+
+HIDE = [
+    # the gateway's rows: the URL it called, a pool's endpoints, its cooldown
+    ("upstream 503 from http://10.0.3.7:8000/v1/chat/completions (upstream said 'x')", "upstream model",
+     "upstream 503 from the model server (upstream said 'x')"),
+    ("model gateway upstream unavailable at https://vllm.serving.svc.cluster.local/v1 (ConnectError); start it",
+     "upstream model", "model gateway upstream unavailable at the model server (ConnectError); start it"),
+    ("every endpoint of model_gateway.pool is down (2: 10.0.3.7:8000, [fd00::7]:8000); calls resume",
+     "upstream model", f"every endpoint of model_gateway.pool is down (2: {HIDDEN}, {HIDDEN}); calls resume"),
+    ("no endpoint in the pool yet (http://vllm-headless:8000/v1 resolved to none)", "upstream model",
+     "no endpoint in the pool yet (the model server resolved to none)"),
+    # a proxy's error names the proxy and the model server it was calling
+    ("local proxy failed: HTTPS_PROXY=http://proxy.corp:3128 did not answer (ConnectError) while calling "
+     "http://10.0.3.7:8000/v1/chat/completions; start the proxy", "proxy",
+     "local proxy failed: HTTPS_PROXY=the proxy did not answer (ConnectError) while calling the model server; "
+     "start the proxy"),
+    # credentials in a URL, inside the server's words: the whole URL goes
+    ("upstream 400 from http://h:8000/v1/chat/completions (upstream said 'see https://user:sk-pw@10.1.1.1/a?key=k')",
+     "upstream model", "upstream 400 from the model server (upstream said 'see the model server')"),
+    # the orchestrator's own: a downstream service's address, gRPC's resolved address, a private host name
+    ("dispatcher service unavailable at dispatcher.ns.svc:50053: failed to connect to all addresses; last error: "
+     "UNKNOWN: ipv4:10.0.0.5:50053: Connection refused; is it running?", "orchestrator",
+     f"dispatcher service unavailable at {HIDDEN}: failed to connect to all addresses; last error: UNKNOWN: "
+     f"{HIDDEN}: Connection refused; is it running?"),
+    ("task t ran out of time after 10 s waiting for the model server at http://model:8000/v1 (model m) for 4 s.",
+     "orchestrator", f"task t ran out of time after 10 s waiting for the model server at {HIDDEN} (model m) for 4 s."),
+    ("resolving ip-10-0-3-7.ec2.internal failed", "dispatcher", f"resolving {HIDDEN} failed"),
+    # no address: left as it is (a time, a caller's own id, a setting's name and value)
+    ("agent_id: expected at most 128 characters (got 'agent:42') at 12:30; orchestrator.task_time_limit_s.chat = "
+     "600 (limits.max_tokens 4096, v1.2.3)", "orchestrator",
+     "agent_id: expected at most 128 characters (got 'agent:42') at 12:30; orchestrator.task_time_limit_s.chat = "
+     "600 (limits.max_tokens 4096, v1.2.3)"),
+]
+
+
+@pytest.mark.parametrize("message, hop, shown", HIDE)
+def test_each_kind_of_address_is_hidden_and_the_words_around_it_kept(message, hop, shown):
+    assert EdgeText(show_addresses=False).text(message, hop) == shown
+
+
+def test_the_opt_in_shows_addresses_but_never_a_urls_credentials():
+    edge = EdgeText(show_addresses=True)
+    message = "upstream 401 from http://u:secret@10.0.3.7:8000/v1/chat/completions?api-key=k2 (upstream said 'no')"
+    assert edge.text(message, "upstream model") == \
+        "upstream 401 from http://10.0.3.7:8000/v1/chat/completions (upstream said 'no')"
+    assert edge.text("dispatcher service unavailable at 10.0.0.5:50053", "orchestrator") == \
+        "dispatcher service unavailable at 10.0.0.5:50053"
+
+
+def test_a_stored_error_and_an_error_tool_result_are_answered_hidden_and_kept_whole():
+    edge = EdgeText(show_addresses=False)
+    status = agent_pb2.TaskStatus(task_id="t", state=agent_pb2.FAILED, error=(
+        "UNAVAILABLE: upstream model (via dispatcher at 10.0.0.5:50053): upstream 503 from "
+        "http://10.0.3.7:8000/v1/chat/completions (x)"))
+    shown = edge.status(status)
+    assert shown.error == f"UNAVAILABLE: upstream model (via dispatcher at {HIDDEN}): upstream 503 from the model " \
+                          "server (x)" and shown.task_id == "t"
+    assert "10.0.3.7" in status.error  # the record itself keeps it whole
+    proxy = agent_pb2.TaskStatus(error="UNAVAILABLE: proxy (via dispatcher at d:50053): local proxy failed: "
+                                       "HTTPS_PROXY=http://p:3128 did not answer")
+    assert edge.status(proxy).error == f"UNAVAILABLE: proxy (via dispatcher at {HIDDEN}): local proxy failed: " \
+                                       "HTTPS_PROXY=the proxy did not answer"
+    own = agent_pb2.TaskStatus(error="DEADLINE_EXCEEDED: task t ran out of time waiting for the model server at "
+                                     "http://10.0.3.7:8000/v1 (model m)")
+    assert edge.status(own).error == f"DEADLINE_EXCEEDED: task t ran out of time waiting for the model server at " \
+                                     f"{HIDDEN} (model m)"
+    tool = agent_pb2.TaskEvent(tool_result=agent_pb2.ToolResultEvent(
+        name="search_docs", is_error=True, content="search_docs failed: retrieval service unavailable at 10.0.0.6:50052"))
+    assert edge.event(tool).tool_result.content == f"search_docs failed: retrieval service unavailable at {HIDDEN}"
+    token = agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text="see 10.0.0.6:50052"))
+    assert edge.event(token) is token  # a model's own words are its answer, not an error
