@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import defaultdict
 from typing import AsyncIterator
 
@@ -23,6 +24,7 @@ from switchyard.common.server import RunningServer, running, start_server
 from switchyard.dispatcher.processor import NOT_STARTED, RequestProcessor
 from switchyard.dispatcher.scheduler.core import SHUTTING_DOWN
 from switchyard.dispatcher.service import DispatcherService
+from switchyard.orchestrator.addresses import HIDDEN
 from switchyard.orchestrator.service import OrchestratorService
 from fast_sim import FAST
 
@@ -153,7 +155,8 @@ async def test_a_replica_going_away_moves_only_its_agents_and_no_call_fails():
                 assert labels != {victim}
 
 
-async def test_a_replica_dying_mid_stream_fails_unavailable_naming_it():
+async def test_a_replica_dying_mid_stream_fails_unavailable_naming_it_in_the_log(caplog):
+    caplog.set_level(logging.INFO, logger="switchyard.orchestrator.service")
     async with fleet(1, **{"sim.decode_base_ms": 50.0}) as (servers, _served, (stub, started)):
         # one replica in an ipv4: list of one: the call goes to it; kill it once it has streamed a token
         task = asyncio.create_task(chat(stub, "agent-x", 0, max_tokens=200))
@@ -162,8 +165,11 @@ async def test_a_replica_dying_mid_stream_fails_unavailable_naming_it():
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await task
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert f"127.0.0.1:{servers[0].port}" in err.value.details()
+    # the caller reads the replica's failure, its address hidden (orchestrator.show_addresses_to_callers); the
+    # operator's log names the replica
+    assert f"127.0.0.1:{servers[0].port}" not in err.value.details() and HIDDEN in err.value.details()
     assert "stream cut after" in err.value.details(), err.value.details()
+    assert f"127.0.0.1:{servers[0].port}" in caplog.text and "stream cut after" in caplog.text
 
 
 @pytest.mark.parametrize("state", ["stopped", "draining"])

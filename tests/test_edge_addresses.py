@@ -262,7 +262,8 @@ def test_a_stored_error_and_an_error_tool_result_are_answered_hidden_and_kept_wh
     assert edge.status(own).error == f"DEADLINE_EXCEEDED: task t ran out of time waiting for the model server at " \
                                      f"{HIDDEN} (model m)"
     tool = agent_pb2.TaskEvent(tool_result=agent_pb2.ToolResultEvent(
-        name="search_docs", is_error=True, content="search_docs failed: retrieval service unavailable at 10.0.0.6:50052"))
+        name="search_docs", is_error=True,
+        content="search_docs failed: retrieval service unavailable at 10.0.0.6:50052"))
     assert edge.event(tool).tool_result.content == f"search_docs failed: retrieval service unavailable at {HIDDEN}"
     token = agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text="see 10.0.0.6:50052"))
     assert edge.event(token) is token  # a model's own words are its answer, not an error

@@ -13,6 +13,8 @@ import pytest
 from httpx_sse import aconnect_sse
 from test_http_face import FIELD_BODY, http_stack
 
+from switchyard.orchestrator.addresses import HIDDEN
+
 pytestmark = pytest.mark.no_gpu
 
 CHAT = {**FIELD_BODY, "task_type": "chat"}
@@ -332,7 +334,9 @@ async def test_an_http_load_balancer_reads_readiness_from_readyz_as_grpc_health_
                     await downstream.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
                 refused = await settled(503, health_pb2.HealthCheckResponse.NOT_SERVING)
                 error = refused.json()["error"]
-                assert error["code"] == "UNAVAILABLE" and addr in error["message"], error
+                # the service named, its address hidden, as in every error a caller reads
+                assert error["code"] == "UNAVAILABLE" and addr not in error["message"], error
+                assert HIDDEN in error["message"], error
                 assert refused.headers["Retry-After"] == "1"
                 assert (await client.get("/healthz")).status_code == 200  # alive, not ready
                 head = await client.head("/readyz")

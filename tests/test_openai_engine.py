@@ -18,6 +18,7 @@ from switchyard.common.errors import SwitchyardError
 from switchyard.dispatcher.engines import StreamEngine, Usage, make_engine
 from switchyard.dispatcher.engines.openai import OpenAIEngine, chat_messages
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
+from switchyard.orchestrator.addresses import HIDDEN
 from switchyard_harness.faults import Fault
 from switchyard.common.channels import open_channel
 from token_events import token_count
@@ -300,6 +301,11 @@ def test_unusable_key_stops_the_engine_at_start_naming_the_variable(monkeypatch)
         engine_for("http://127.0.0.1:9/v1", api_key_env="SWITCHYARD_TEST_START_KEY", api_key_required=True)
 
 
+def address_of(base_url: str) -> str:
+    """``host:port`` of a base URL."""
+    return base_url.split("://", 1)[1].split("/", 1)[0]
+
+
 @pytest.mark.parametrize(("fault", "says"), [
     (Fault(no_finish=True), "before any finish_reason and without 'data: [DONE]'"),
     (Fault(cut_after=2), "closed mid-response"),
@@ -313,7 +319,9 @@ async def test_an_upstream_failure_names_the_upstream_not_the_dispatcher(clean_p
                            max_retries=0, fallback_model="")
     details = caught.value.details()
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert details.startswith("upstream model (via dispatcher at 127.0.0.1:") and says in details, details
+    # the tenant reads both hops named, their addresses hidden (orchestrator.show_addresses_to_callers)
+    assert details.startswith(f"upstream model (via dispatcher at {HIDDEN}):") and says in details, details
+    assert address_of(server.base_url) not in details, details
     assert "is it running" not in details
     origin = dict(caught.value.trailing_metadata())["switchyard-error-origin"]
     assert origin == "upstream model"
@@ -339,8 +347,10 @@ async def test_a_dead_proxy_is_named_as_the_proxy(clean_proxy_env, monkeypatch):
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await run_task(server.base_url, agent_pb2.RunTaskRequest(payload="hi", task_type="chat"),
                            max_retries=0, fallback_model="")
-    assert caught.value.details().startswith("proxy (via dispatcher at 127.0.0.1:")
-    assert f"HTTP_PROXY={dead}" in caught.value.details()
+    details = caught.value.details()
+    assert details.startswith(f"proxy (via dispatcher at {HIDDEN}): local proxy failed: HTTP_PROXY=the proxy "
+                              "did not answer"), details  # the tenant reads the proxy named, not where it is
+    assert dead not in details and address_of(server.base_url) not in details, details
 
 
 async def test_a_generate_naming_no_model_is_served_by_the_fallback_when_the_default_is_not_served(clean_proxy_env):

@@ -11,9 +11,10 @@ through it (the gRPC status details of every AgentService method, RunTask's erro
 stored error as GetTaskStatus and CancelTask answer it, and the HTTP face's JSON errors and SSE ``error``
 events, which are the same servicer's). Each address becomes a name that says what it was without where:
 a URL in an error the upstream model (or the proxy before it) answered is ``the model server`` (or ``the
-proxy``: :data:`UPSTREAM_HOPS`), any other address :data:`HIDDEN`; the status, the server's own words (its key already redacted) and the fix stay.
-``orchestrator.show_addresses_to_callers`` (default false) leaves addresses in, for a single-tenant
-deployment; credentials in a URL (``user:password@``) and its query (``?api-key=...``) are taken out even then.
+proxy``: :data:`UPSTREAM_HOPS`), any other address :data:`HIDDEN`; the status, the server's own words (its key
+already redacted) and the fix stay. ``orchestrator.show_addresses_to_callers`` (default false) leaves addresses
+in, for a deployment whose callers are its operators; credentials in a URL (``user:password@``) and its query
+(``?api-key=...``) are taken out even then.
 """
 
 from __future__ import annotations
