@@ -973,6 +973,11 @@ async def test_a_task_is_refused_at_once_only_for_a_service_it_cannot_run_withou
                     for task_type in ("chat", "react_loop"):
                         events = await collect(stub, payload="what is 2+2", task_type=task_type, max_tokens=16)
                         assert events[-1].HasField("final"), task_type
+                    # react_loop's search tool failed, its error result naming retrieval, its address hidden
+                    failed = [e.tool_result.content for e in events if e.HasField("tool_result")
+                              and e.tool_result.is_error]
+                    assert failed and all(f"retrieval service unavailable at {HIDDEN}" in text and dead not in text
+                                          for text in failed), failed
                     with pytest.raises(grpc.aio.AioRpcError) as refused:
                         await collect(stub, payload="what is 2+2", task_type="rag_answer", max_tokens=16)
                     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
