@@ -7,9 +7,10 @@ a URL inside the server's own quoted words. The operator needs them (logs, spans
 keep them whole); a tenant of a shared deployment does not, and they tell it the deployment's topology.
 
 :class:`EdgeText` is the one place such a message is rewritten for its caller: every exit of the edge passes
-through it (the gRPC status details of every AgentService method, RunTask's error tool results, a task's
-stored error as GetTaskStatus and CancelTask answer it, and the HTTP face's JSON errors and SSE ``error``
-events, which are the same servicer's). Each address becomes a name that says what it was without where:
+through it (the gRPC status details of every AgentService method, a task's stored error as GetTaskStatus and
+CancelTask answer it, and the HTTP face's JSON errors and SSE ``error`` events, which are the same servicer's;
+a react_loop tool's error result, which both the model and RunTask's ``tool_result`` event read, as react.py
+makes it: the model's answer is the caller's to read too). Each address becomes a name that says what it was without where:
 a URL in an error the upstream model (or the proxy before it) answered is ``the model server`` (or ``the
 proxy``: :data:`UPSTREAM_HOPS`), any other address :data:`HIDDEN`; the status, the server's own words (its key
 already redacted) and the fix stay. ``orchestrator.show_addresses_to_callers`` (default false) leaves addresses
@@ -22,7 +23,14 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit, urlunsplit
 
+from opentelemetry import trace
+
 from switchyard.api import agent_pb2
+
+ERROR_EVENT = "switchyard.error"
+"""The span event that keeps a message's whole text (``switchyard.error.message``, and the hop that answered it,
+``switchyard.error.origin``) where its caller read it with addresses hidden: the span's status carries what the
+caller read."""
 
 HIDDEN = "[address hidden]"
 """What an address becomes where nothing names what it was."""
@@ -120,6 +128,15 @@ class EdgeText:
         out.append(self._bare(message[at:]))
         return "".join(out)
 
+    def text_kept_on_span(self, message: str, hop: str = "") -> str:
+        """:meth:`text`, and where it changed ``message``, ``message`` whole on the current span (the call's, or
+        the tool's: :data:`ERROR_EVENT`), for the operator."""
+        shown = self.text(message, hop)
+        if shown != message:
+            trace.get_current_span().add_event(ERROR_EVENT, {"switchyard.error.message": message,
+                                                             "switchyard.error.origin": hop or "orchestrator"})
+        return shown
+
     def _bare(self, text: str) -> str:
         """``text`` (holding no URL) with its bare addresses hidden: IPs, host:port, private host names."""
         if self.show_addresses:
@@ -141,19 +158,6 @@ class EdgeText:
         copy = agent_pb2.TaskStatus()
         copy.CopyFrom(status)
         copy.error = shown
-        return copy
-
-    def event(self, event: agent_pb2.TaskEvent) -> agent_pb2.TaskEvent:
-        """A RunTask event as its caller reads it: an error tool result's ``content`` (a tool's failure, which
-        may name a downstream service's address) through :meth:`text`; every other event is ``event`` itself."""
-        if event.WhichOneof("event") != "tool_result" or not event.tool_result.is_error:
-            return event
-        shown = self.text(event.tool_result.content)
-        if shown == event.tool_result.content:
-            return event
-        copy = agent_pb2.TaskEvent()
-        copy.CopyFrom(event)
-        copy.tool_result.content = shown
         return copy
 
 

@@ -213,6 +213,8 @@ async def _observe(task: Task, tools: dict[str, Tool], call: agent_pb2.ToolCall,
             outcome = await call_tool(tool, call.arguments_json, policy)
             durations.observe(call.name, time.monotonic() - started)
             content, is_error, attempts = outcome.content, outcome.is_error, outcome.attempts
+            if is_error:  # read by the model and streamed to the caller: no internal address (whole on the span)
+                content = task.deps.edge.text_kept_on_span(content)
         span.set_attribute("switchyard.tool.attempts", attempts)
         span.set_attribute("switchyard.tool.is_error", is_error)
     TOOL_CALLS.labels(tool_label, "error" if is_error else "ok").inc()

@@ -75,9 +75,6 @@ from switchyard.orchestrator.workflows import WORKFLOWS, check_question_fits
 
 log = logging.getLogger(__name__)
 
-ERROR_EVENT = "switchyard.error"
-"""The span event that keeps an error's whole message where its caller was answered with addresses hidden."""
-
 
 def _trace_id() -> str:
     ctx = trace.get_current_span().get_span_context()
@@ -256,6 +253,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             inference=InferenceClient(orch.dispatcher_addr, cfg.server, orch.affinity, orch.program,
                                       token_hold_s=orch.token_hold_s),
             memory=await self._agent_memory(),
+            edge=self.edge,
         )
         log.info(
             "orchestrator: retrieval at %s, dispatcher at %s, inference_mode %s",
@@ -553,12 +551,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
     def shown(self, details: str, hop: str = "") -> str:
         """``details`` (an error message of ``hop``) as a caller of either face reads it (:class:`EdgeText`:
         internal addresses hidden unless ``orchestrator.show_addresses_to_callers``). Where that changes them,
-        the whole message stays in the operator's view: an ``exception``-style event on the call's span
-        (``switchyard.error.message``) and a log line."""
-        text = self.edge.text(details, hop)
+        the whole message stays in the operator's view: an event on the call's span (``addresses.ERROR_EVENT``) and
+        a log line."""
+        text = self.edge.text_kept_on_span(details, hop)
         if text != details:
-            trace.get_current_span().add_event(ERROR_EVENT, {"switchyard.error.message": details,
-                                                             "switchyard.error.origin": hop or self.name})
             log.info("a caller was answered with internal addresses hidden (orchestrator.show_addresses_to_callers "
                      "= false); in full, from %s: %s", hop or self.name, details)
         return text
@@ -601,7 +597,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         hold_until: float | None = None
         try:
             while (event := await events.get(hold_until)) is not None:
-                yield self.edge.event(event)
+                yield event
                 if hold_s and event.HasField("token"):
                     hold_until = clock() + hold_s
             ended = self._ended_by_stop.pop(task, None)  # the drain ended it (end_streams): its error, not a cancel

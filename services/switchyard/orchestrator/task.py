@@ -34,6 +34,7 @@ from switchyard.common.config.limits import ContextWindow
 from switchyard.common.errors import TaskDeadlineExceeded
 from switchyard.common.queues import WorkQueue
 from switchyard.orchestrator import prompts
+from switchyard.orchestrator.addresses import EdgeText
 from switchyard.orchestrator.agent_memory import AgentMemory, MemoryMessage
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
 from switchyard.orchestrator.metrics import CPU_POOL_RESTARTS, EARLY_PREFILLS, STAGE_DURATION
@@ -63,12 +64,17 @@ class Deps:
     """Step and tool times measured across tasks (orchestrator/program.py); built from ``config`` when not given."""
     new_executor: Callable[[], Awaitable[Executor | None]] | None = None
     """Builds a fresh executor of the same kind, warmed (:meth:`renew_executor`); None: a broken one stays broken."""
+    edge: EdgeText = None  # type: ignore[assignment]
+    """What callers read of an error a task makes (a tool's error result: react.py), internal addresses hidden
+    (orchestrator/addresses.py); the servicer's own, built from ``config`` when not given."""
     _renewing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         if self.program is None:
             orch = self.config.orchestrator
             self.program = Program(orch.program, TOOL_NAMES, orch.react.max_steps)
+        if self.edge is None:
+            self.edge = EdgeText(self.config.orchestrator.show_addresses_to_callers)
 
     async def renew_executor(self, broken: Executor) -> Executor:
         """A fresh executor in place of ``broken``, a process pool one of whose workers died (the pool
