@@ -187,11 +187,11 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException, service: 
     bytes). ``shown``: what the caller reads of the details, given them and the hop (the orchestrator's edge
     hides internal addresses from tenants: orchestrator/addresses.py); None: the details as they are.
     Always raises (``grpc.aio.AbortError``)."""
-    code, details = status_for(exc)
+    code, details = _status_whole(exc)
     origin = hop_of(exc, service)
-    if shown is not None:
+    if shown is not None:  # the whole message, then bounded: an address is never cut in two, half of it shown
         details = shown(details, origin)
-    await context.abort(code, details, trailing_metadata=((ORIGIN_KEY, origin), *trailing))
+    await context.abort(code, bounded(details), trailing_metadata=((ORIGIN_KEY, origin), *trailing))
 
 
 def hop_of(exc: BaseException, service: str) -> str:
@@ -203,11 +203,17 @@ def hop_of(exc: BaseException, service: str) -> str:
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The (code, details) a servicer should abort with for ``exc``; details at most
     :data:`MAX_DETAILS_CHARS` (:func:`bounded`)."""
+    code, details = _status_whole(exc)
+    return code, bounded(details)
+
+
+def _status_whole(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """:func:`status_for`, the details not bounded."""
     if isinstance(exc, SwitchyardError):
-        return exc.code, bounded(str(exc))
+        return exc.code, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code(), bounded(exc.details() or exc.code().name)
-    return grpc.StatusCode.INTERNAL, bounded(f"{type(exc).__name__}: {exc}")
+        return exc.code(), exc.details() or exc.code().name
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
 MAX_DETAILS_CHARS = 4096
