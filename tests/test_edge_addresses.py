@@ -224,16 +224,31 @@ HIDE = [
      "orchestrator", f"task t ran out of time after 10 s waiting for the model server at {HIDDEN} (model m) for 4 s."),
     ("resolving ip-10-0-3-7.ec2.internal failed", "dispatcher", f"resolving {HIDDEN} failed"),
     # no address: left as it is (a time, a caller's own id, a setting's name and value)
-    ("agent_id: expected at most 128 characters (got 'agent:42') at 12:30; orchestrator.task_time_limit_s.chat = "
-     "600 (limits.max_tokens 4096, v1.2.3)", "orchestrator",
-     "agent_id: expected at most 128 characters (got 'agent:42') at 12:30; orchestrator.task_time_limit_s.chat = "
-     "600 (limits.max_tokens 4096, v1.2.3)"),
+    ("agent_id: agent 'user:12345' submitted no task (job:1234, max_tokens:4096) at 12:30; "
+     "orchestrator.task_time_limit_s.chat = 600 (limits.max_tokens 4096, v1.2.3)", "orchestrator",
+     "agent_id: agent 'user:12345' submitted no task (job:1234, max_tokens:4096) at 12:30; "
+     "orchestrator.task_time_limit_s.chat = 600 (limits.max_tokens 4096, v1.2.3)"),
 ]
 
 
 @pytest.mark.parametrize("message, hop, shown", HIDE)
 def test_each_kind_of_address_is_hidden_and_the_words_around_it_kept(message, hop, shown):
     assert EdgeText(show_addresses=False).text(message, hop) == shown
+
+
+def test_the_orchestrators_own_addresses_are_hidden_whatever_their_form():
+    """A host of one label with its port reads as an id (``user:12345``) and is left by the patterns; the
+    orchestrator's own settings name its downstream services and Redis, which are hidden as written."""
+    cfg = load_config("config").with_overrides(**{
+        "orchestrator.dispatcher_addr": "ipv4:dispatcher-0:50053,dispatcher-1:50053",
+        "orchestrator.retrieval_addr": "dns:///retrieval:50052", "memory.dram.host": "redis"})
+    edge = EdgeText.for_config(cfg)
+    assert edge.text("dispatcher service unavailable at dispatcher-1:50053; retrieval (retrieval:50052) too; "
+                     "redis redis:6379 refused; user:12345 kept", "orchestrator") == \
+        f"dispatcher service unavailable at {HIDDEN}; retrieval ({HIDDEN}) too; redis {HIDDEN} refused; " \
+        "user:12345 kept"
+    assert edge.text("dispatcher (ipv4:dispatcher-0:50053,dispatcher-1:50053): x; dns:///retrieval:50052 y") == \
+        f"dispatcher ({HIDDEN}): x; {HIDDEN} y"
 
 
 def test_the_opt_in_shows_addresses_but_never_a_urls_credentials():
@@ -254,7 +269,7 @@ def test_a_stored_error_is_answered_hidden_and_kept_whole():
     assert shown.error == f"UNAVAILABLE: upstream model (via dispatcher at {HIDDEN}): upstream 503 from the model " \
                           "server (x)" and shown.task_id == "t"
     assert "10.0.3.7" in status.error  # the record itself keeps it whole
-    proxy = agent_pb2.TaskStatus(error="UNAVAILABLE: proxy (via dispatcher at d:50053): local proxy failed: "
+    proxy = agent_pb2.TaskStatus(error="UNAVAILABLE: proxy (via dispatcher at 10.0.0.5:50053): local proxy failed: "
                                        "HTTPS_PROXY=http://p:3128 did not answer")
     assert edge.status(proxy).error == f"UNAVAILABLE: proxy (via dispatcher at {HIDDEN}): local proxy failed: " \
                                        "HTTPS_PROXY=the proxy did not answer"

@@ -21,11 +21,14 @@ in, for a deployment whose callers are its operators; credentials in a URL (``us
 from __future__ import annotations
 
 import re
+from typing import Iterable
 from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry import trace
 
 from switchyard.api import agent_pb2
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.grpc_target import dns_name, static_addresses
 
 ERROR_EVENT = "switchyard.error"
 """The span event that keeps a message's whole text (``switchyard.error.message``, and the hop that answered it,
@@ -54,10 +57,11 @@ _GRPC_ADDRESS = re.compile(r"\b(?:ipv4|ipv6|unix|unix-abstract|vsock):[^\s'\",;)
 """gRPC's resolved addresses in its words: ``ipv4:10.0.0.5:50053``, ``ipv6:%5B::1%5D:50053``, ``unix:/run/s``."""
 _IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?(?![\w.])")
 """An IPv4 address, port optional."""
-_HOST_PORT = re.compile(r"(?<![\w.:/@-])(?=[\w.-]*[A-Za-z])[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
-                        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*:\d{3,5}(?![\w.]|:\d)")
-"""A host name with a port: ``model-a.serving.svc:8000``, ``dispatcher:50053``, ``localhost:8400`` (a name holds a
-letter, and the port three digits or more: ``12:30`` and ``agent:42`` are no address)."""
+_HOST_PORT = re.compile(r"(?<![\w.:/@-])(?:localhost|(?=[\w.-]*[A-Za-z])[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+                        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)+):\d{2,5}(?![\w.]|:\d)")
+"""A host name with a dot (or ``localhost``) and a port: ``model-a.serving.svc:8000``, ``localhost:8400``. A
+name of one label with a port (``vllm-a:8000``) reads as a caller's own id (``user:12345``, ``job:1234``) and
+is left, but for the orchestrator's own settings' (:meth:`EdgeText.for_config`)."""
 _CLUSTER_NAME = re.compile(r"(?<![\w.-])[A-Za-z0-9][\w-]*(?:\.[\w-]+)*\.(?:svc(?:\.cluster\.local)?|cluster\.local"
                            r"|internal|local|lan|localdomain)\b(?![.-]\w)")
 """A host name of a private network without a port: ``vllm.serving.svc.cluster.local``, ``ip-10-0-3-7.ec2.internal``."""
@@ -105,10 +109,30 @@ class EdgeText:
 
     Args:
         show_addresses: leave addresses in the messages callers read.
+        known: addresses hidden as written, besides the patterns' (an orchestrator's own: :meth:`for_config`).
     """
 
-    def __init__(self, show_addresses: bool) -> None:
+    def __init__(self, show_addresses: bool, known: Iterable[str] = ()) -> None:
         self.show_addresses = show_addresses
+        names = sorted({k for k in known if k}, key=len, reverse=True)  # the longest first: a list before its parts
+        self._known = (re.compile(r"(?<![\w.-])(?:" + "|".join(map(re.escape, names)) + r")(?![\w.]|:\d)")
+                       if names else None)
+
+    @classmethod
+    def for_config(cls, config: SwitchyardConfig) -> "EdgeText":
+        """The edge of an orchestrator of ``config``: ``orchestrator.show_addresses_to_callers``, and the addresses
+        its own settings name hidden as written, whatever their form (``dispatcher:50053``, a host name of one
+        label, which the patterns leave): ``orchestrator.dispatcher_addr`` and ``retrieval_addr`` (each
+        address of an ``ipv4:`` list, a ``dns:`` target's name) and the DRAM tier's Redis (``memory.dram``)."""
+        orch = config.orchestrator
+        known: list[str] = []
+        for target in (orch.dispatcher_addr, orch.retrieval_addr):
+            known.append(target)
+            listed = static_addresses(target)
+            known += listed if listed is not None else [dns_name(target) or ""]
+        dram = config.memory.dram
+        known.append(f"{dram.host}:{dram.port}")
+        return cls(orch.show_addresses_to_callers, known)
 
     def text(self, message: str, hop: str = "") -> str:
         """``message`` as its caller reads it. ``hop``: the hop that answered the error (``upstream model``,
@@ -141,6 +165,8 @@ class EdgeText:
         """``text`` (holding no URL) with its bare addresses hidden: IPs, host:port, private host names."""
         if self.show_addresses:
             return text
+        if self._known is not None:
+            text = self._known.sub(HIDDEN, text)
         for pattern in (_GRPC_ADDRESS, _IPV6, _IPV4, _HOST_PORT, _CLUSTER_NAME):
             text = pattern.sub(HIDDEN, text)
         return text

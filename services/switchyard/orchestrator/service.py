@@ -172,7 +172,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
     def __init__(self, config: SwitchyardConfig) -> None:
         self.config = config
-        self.edge = EdgeText(config.orchestrator.show_addresses_to_callers)
+        self.edge = EdgeText.for_config(config)
         """What callers read of the messages that leave this edge (both faces): internal addresses hidden."""
         self.tasks: TaskStore = make_task_store(config)
         self._submitted = SubmittedTasks(config.orchestrator.max_running_submitted_tasks)

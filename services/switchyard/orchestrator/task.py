@@ -74,7 +74,7 @@ class Deps:
             orch = self.config.orchestrator
             self.program = Program(orch.program, TOOL_NAMES, orch.react.max_steps)
         if self.edge is None:
-            self.edge = EdgeText(self.config.orchestrator.show_addresses_to_callers)
+            self.edge = EdgeText.for_config(self.config)
 
     async def renew_executor(self, broken: Executor) -> Executor:
         """A fresh executor in place of ``broken``, a process pool one of whose workers died (the pool
