@@ -203,8 +203,9 @@ HIDE = [
      "upstream 503 from the model server (upstream said 'x')"),
     ("model gateway upstream unavailable at https://vllm.serving.svc.cluster.local/v1 (ConnectError); start it",
      "upstream model", "model gateway upstream unavailable at the model server (ConnectError); start it"),
-    ("every endpoint of model_gateway.pool is down (2: 10.0.3.7:8000, [fd00::7]:8000); calls resume",
-     "upstream model", f"every endpoint of model_gateway.pool is down (2: {HIDDEN}, {HIDDEN}); calls resume"),
+    ("every endpoint of model_gateway.pool is down (3: 10.0.3.7:8000, [fd00::7]:8000, vllm-a:8000); calls resume",
+     "upstream model", f"every endpoint of model_gateway.pool is down (3: {HIDDEN}, {HIDDEN}, {HIDDEN}); calls resume"),
+    ("model 'llama3:8000' not found upstream", "upstream model", "model 'llama3:8000' not found upstream"),
     ("no endpoint in the pool yet (http://vllm-headless:8000/v1 resolved to none)", "upstream model",
      "no endpoint in the pool yet (the model server resolved to none)"),
     # a proxy's error names the proxy and the model server it was calling

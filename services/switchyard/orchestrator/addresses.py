@@ -61,7 +61,12 @@ _HOST_PORT = re.compile(r"(?<![\w.:/@-])(?:localhost|(?=[\w.-]*[A-Za-z])[A-Za-z0
                         r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)+):\d{2,5}(?![\w.]|:\d)")
 """A host name with a dot (or ``localhost``) and a port: ``model-a.serving.svc:8000``, ``localhost:8400``. A
 name of one label with a port (``vllm-a:8000``) reads as a caller's own id (``user:12345``, ``job:1234``) and
-is left, but for the orchestrator's own settings' (:meth:`EdgeText.for_config`)."""
+is left, but for the orchestrator's own settings' (:meth:`EdgeText.for_config`) and in an upstream's error
+(:data:`_ONE_LABEL_HOST_PORT`)."""
+_ONE_LABEL_HOST_PORT = re.compile(r"(?<![\w.:/@'-])(?=[\w-]*[A-Za-z])[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+                                  r":\d{2,5}(?![\w.]|:\d)")
+"""A host name of one label with a port (``vllm-a:8000``): an address in an upstream's error, where no caller's
+id is named (a model id is quoted)."""
 _CLUSTER_NAME = re.compile(r"(?<![\w.-])[A-Za-z0-9][\w-]*(?:\.[\w-]+)*\.(?:svc(?:\.cluster\.local)?|cluster\.local"
                            r"|internal|local|lan|localdomain)\b(?![.-]\w)")
 """A host name of a private network without a port: ``vllm.serving.svc.cluster.local``, ``ip-10-0-3-7.ec2.internal``."""
@@ -145,11 +150,11 @@ class EdgeText:
             start, end = found.start(), _url_end(message, found.start(), found.end())
             if start < at:
                 continue
-            out.append(self._bare(message[at:start]))
+            out.append(self._bare(message[at:start], hop))
             url = message[start:end]
             out.append(without_credentials(url) if self.show_addresses else _url_name(url, hop))
             at = end
-        out.append(self._bare(message[at:]))
+        out.append(self._bare(message[at:], hop))
         return "".join(out)
 
     def text_kept_on_span(self, message: str, hop: str = "") -> str:
@@ -161,15 +166,17 @@ class EdgeText:
                                                              "switchyard.error.origin": hop or "orchestrator"})
         return shown
 
-    def _bare(self, text: str) -> str:
-        """``text`` (holding no URL) with its bare addresses hidden: IPs, host:port, private host names."""
+    def _bare(self, text: str, hop: str) -> str:
+        """``text`` (holding no URL) with its bare addresses hidden: IPs, host:port, private host names; in an
+        error of an upstream hop (:data:`UPSTREAM_HOPS`: no caller's id in it), a one-label ``host:port`` too
+        (a pool's endpoint, ``vllm-a:8000``)."""
         if self.show_addresses:
             return text
         if self._known is not None:
             text = self._known.sub(HIDDEN, text)
         for pattern in (_GRPC_ADDRESS, _IPV6, _IPV4, _HOST_PORT, _CLUSTER_NAME):
             text = pattern.sub(HIDDEN, text)
-        return text
+        return _ONE_LABEL_HOST_PORT.sub(HIDDEN, text) if hop in UPSTREAM_HOPS else text
 
     def status(self, status: agent_pb2.TaskStatus) -> agent_pb2.TaskStatus:
         """A task's status as its caller reads it: its ``error`` (``CODE: message``, as the task store holds
