@@ -308,6 +308,8 @@ def test_a_finish_reason_ends_a_stream_without_done_and_done_ends_one_without_fi
 def test_fault_specs():
     assert parse_fault("status=503, fail_first=2") == Fault(status=503, fail_first=2)
     assert parse_fault("cut_after=3,mismatch") == Fault(cut_after=3, mismatch=True)
+    assert parse_fault("status=502,said=connect to http://10.0.0.9:8000 failed") == \
+        Fault(status=502, said="connect to http://10.0.0.9:8000 failed")  # the server's own words
     assert split_model("gpt-4o-mini#slow_ms=5") == ("gpt-4o-mini", Fault(slow_ms=5.0))
     assert split_model("gpt-4o-mini") == ("gpt-4o-mini", None)
     assert parse_flag("gpt-4o-mini=status=500") == ("gpt-4o-mini", Fault(status=500))

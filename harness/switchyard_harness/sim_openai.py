@@ -822,7 +822,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fault", action="append", default=[], metavar="[MODEL=]SPEC",
                         help="inject a failure, e.g. status=503 | gpt-4o-mini=cut_after=3 | slow_ms=50 "
                              "(keys: status fail_first cut_after no_done no_finish malformed_after stream_error no_choices slow_ms "
-                             "mismatch finish reasoning "
+                             "mismatch finish reasoning said "
                              f"expired echo_key); per request: header {FAULT_HEADER} or model suffix MODEL#SPEC")
     parser.add_argument("--no-latency", action="store_true", help="answer at once instead of at sim-engine speed")
     parser.add_argument("--owned-by", default="switchyard-sim", metavar="NAME",
