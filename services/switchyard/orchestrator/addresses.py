@@ -10,8 +10,8 @@ keep them whole); a tenant of a shared deployment does not, and they tell it the
 through it (the gRPC status details of every AgentService method, a task's stored error as GetTaskStatus and
 CancelTask answer it, and the HTTP face's JSON errors and SSE ``error`` events, which are the same servicer's;
 a react_loop tool's error result, which both the model and RunTask's ``tool_result`` event read, as react.py
-makes it: the model's answer is the caller's to read too). Each address becomes a name that says what it was without where:
-a URL in an error the upstream model (or the proxy before it) answered is ``the model server`` (or ``the
+makes it: the model's answer is the caller's to read too). Each address becomes a name that says what it was
+without where: a URL in an error the upstream model (or the proxy before it) answered is ``the model server`` (or ``the
 proxy``: :data:`UPSTREAM_HOPS`), any other address :data:`HIDDEN`; the status, the server's own words (its key
 already redacted) and the fix stay. ``orchestrator.show_addresses_to_callers`` (default false) leaves addresses
 in, for a deployment whose callers are its operators; credentials in a URL (``user:password@``) and its query
@@ -141,9 +141,8 @@ class EdgeText:
 
     def text(self, message: str, hop: str = "") -> str:
         """``message`` as its caller reads it. ``hop``: the hop that answered the error (``upstream model``,
-        ``proxy``, ``dispatcher``, ...; :data:`UPSTREAM_HOPS`), which names its URLs; "" for a message of no one hop
-        (a task's stored error: every URL is :data:`HIDDEN`, or the hop's name where the message says
-        whose it is)."""
+        ``proxy``, ``dispatcher``, ...; :data:`UPSTREAM_HOPS` name their URLs); "" where no one hop is known (every
+        URL :data:`HIDDEN`)."""
         out: list[str] = []
         at = 0
         for found in _URL.finditer(message):
