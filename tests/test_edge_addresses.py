@@ -167,6 +167,20 @@ async def test_an_overloaded_servers_503_names_the_model_server_and_keeps_its_wo
                 f"server failed for model {MODEL!r}; retry later or check its logs") in text, text
 
 
+async def test_a_pools_replicas_are_named_without_their_addresses(clean_proxy_env, tmp_path):
+    """``model_gateway.pool.endpoints``: two replicas, each answering 503; the caller reads neither address."""
+    with start_sim(models=[MODEL], faults={"*": Fault(status=503)}) as first, \
+            start_sim(models=[MODEL], faults={"*": Fault(status=503)}) as second:
+        cfg = config_for(first.base_url, tmp_path, **{"upstream.pool.endpoints": [first.base_url, second.base_url]})
+        async with stack(cfg) as s:
+            run = await s.run_error()
+            sse = await s.sse_error()
+    assert run.code() == grpc.StatusCode.UNAVAILABLE
+    for text in (run.details(), sse["message"]):
+        assert address_of(first.base_url) not in text and address_of(second.base_url) not in text, text
+        assert "127.0.0.1" not in text and "upstream 503 from the model server" in text, text
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
