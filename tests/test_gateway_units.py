@@ -324,6 +324,31 @@ def test_fault_specs():
             parse_fault(spec)
 
 
+def test_one_parser_owns_the_fault_flags_syntax_and_names_the_flag_and_what_was_expected():
+    """sim-openai split the flag's head itself beside parse_flag, which took any head as a model: parse_flag with
+    the served models refuses what the server refused, in the same words, and reads a key with spaces around it
+    as parse_fault reads it in a spec (' status=503' was model ' status' with "unknown key '503'")."""
+    served = ["gpt-4o-mini", "flaky"]
+    assert parse_flag(" status=503", served) == ("*", Fault(status=503))
+    assert parse_flag("status =503") == ("*", Fault(status=503))
+    assert parse_flag("flaky=status=503,fail_first=2", served) == ("flaky", Fault(status=503, fail_first=2))
+    for flag, says in (
+        ("nomodel=status=503", "'nomodel=status=503': 'nomodel' is neither a fault key nor a model served here; "
+                               "expected [MODEL=]SPEC with MODEL one of gpt-4o-mini, flaky (serve another with "
+                               "--model ID) and SPEC key=value items of: "),
+        ("bogus=1", "'bogus' is neither a fault key nor a model served here"),
+        ("=status=503", "'=status=503': a blank model id; expected [MODEL=]SPEC"),
+        ("flaky=", "'flaky=': expected a fault (key=value items of: "),
+        ("", "'': expected a fault (key=value items of: "),
+        ("flaky=status=abc", "'flaky=status=abc': fault 'status=abc': expected status=<number>, got 'abc'"),
+    ):
+        with pytest.raises(ValueError) as caught:
+            parse_flag(flag, served)
+        assert says in str(caught.value), (flag, str(caught.value))
+    with pytest.raises(ValueError, match="a blank model id; expected .* MODEL a model id"):
+        parse_flag("  =status=503")  # without the served models: any model id, but not a blank one
+
+
 def test_nearest_model_and_model_map():
     known = ["claude-sonnet-4-5", "gpt-4o-mini", "sim-7b"]
     assert nearest("claude-sonnet-4.5", known) == "claude-sonnet-4-5"

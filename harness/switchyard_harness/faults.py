@@ -17,6 +17,7 @@ from __future__ import annotations
 import email.utils
 import math
 from dataclasses import dataclass, fields
+from typing import Iterable
 
 FAULT_HEADER = "x-sim-fault"
 MODEL_SUFFIX = "#"
@@ -135,13 +136,34 @@ def split_model(model: str) -> tuple[str, Fault | None]:
     return (base, parse_fault(spec)) if sep else (model, None)
 
 
-def parse_flag(value: str) -> tuple[str, Fault]:
-    """A ``--fault`` flag -> (model or ``*``, fault).
+def parse_flag(value: str, models: "Iterable[str] | None" = None) -> tuple[str, Fault]:
+    """A ``--fault [MODEL=]SPEC`` flag -> (model or ``*``, fault): the one reader of the flag's syntax.
 
-    ``gpt-4o-mini=status=503`` applies to that model (the part before the first
-    ``=`` is not a fault key); ``status=503`` applies to every model.
+    ``gpt-4o-mini=status=503`` applies to that model (the part before the first ``=`` is not a fault key,
+    spaces around it ignored as :func:`parse_fault` ignores them around a key); ``status=503`` applies to
+    every model.
+
+    Args:
+        value: the flag's value.
+        models: the models the server serves; None takes any head that is not a fault key as a model.
+
+    Raises:
+        ValueError: naming the flag and what was expected: a head that is neither a fault key nor one of
+            ``models`` (``bogus=1`` was read as model ``bogus`` and said only "unknown key '1'"), a blank model
+            (``=status=503``), a flag with no fault (``flaky=``, ``''``), or :func:`parse_fault`'s error.
     """
+    keys = sorted(f.name for f in fields(Fault))
     head, sep, rest = value.partition("=")
-    if sep and head not in {f.name for f in fields(Fault)}:
-        return head, parse_fault(rest)
-    return "*", parse_fault(value)
+    model, spec = (head, rest) if sep and head.strip() not in keys else ("*", value)
+    if model != "*" and (not model.strip() or (models is not None and model not in models)):
+        what = "a blank model id" if not model.strip() else f"{model!r} is neither a fault key nor a model served here"
+        served = f"one of {', '.join(models)} (serve another with --model ID)" if models is not None else "a model id"
+        raise ValueError(f"{value!r}: {what}; expected [MODEL=]SPEC with MODEL {served} and SPEC key=value items "
+                         f"of: {' '.join(keys)}")
+    try:
+        fault = parse_fault(spec)
+    except ValueError as exc:
+        raise ValueError(f"{value!r}: {exc}") from None
+    if fault == Fault():
+        raise ValueError(f"{value!r}: expected a fault (key=value items of: {' '.join(keys)}), found none")
+    return model, fault

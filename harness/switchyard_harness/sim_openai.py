@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
 import uvicorn
@@ -850,25 +850,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _fault_flags(parser: argparse.ArgumentParser, flags: list[str], models: list[str]) -> dict[str, Fault]:
-    """The ``--fault [MODEL=]SPEC`` flags as model (``*``: every model) -> fault; exits 2 (``parser.error``) for a
-    flag that could never act, which the server took and then never injected: a MODEL this server does not serve
-    (its requests are answered 404 before any fault; ``bogus=1`` read as model ``bogus`` and said only "unknown
-    key '1'"), a blank MODEL (``=status=503``), no fault (``flaky=``), or a second flag for the same model (the
-    last one replaced the first)."""
-    keys = sorted(f.name for f in fields(Fault))
+    """The ``--fault [MODEL=]SPEC`` flags as model (``*``: every model) -> fault, each read by
+    :func:`~switchyard_harness.faults.parse_flag` against the models served; exits 2 (``parser.error``) for a
+    flag that could never act, which the server took and then never injected (parse_flag's refusals: a MODEL
+    this server does not serve, a blank MODEL, no fault), or a second flag for the same model (the last one
+    replaced the first)."""
     faults: dict[str, Fault] = {}
     for flag in flags:
-        head, sep, _ = flag.partition("=")
-        if sep and head not in keys and head not in models:
-            what = "a blank model id" if not head.strip() else f"{head!r} is neither a fault key nor a model served here"
-            parser.error(f"--fault {flag!r}: {what}; expected [MODEL=]SPEC with MODEL one of {', '.join(models)} "
-                         f"(serve another with --model ID) and SPEC key=value items of: {' '.join(keys)}")
         try:
-            model, fault = parse_flag(flag)
+            model, fault = parse_flag(flag, models)
         except ValueError as exc:
-            parser.error(f"--fault: {exc}")
-        if fault == Fault():
-            parser.error(f"--fault {flag!r}: expected a fault (key=value items of: {' '.join(keys)}), found none")
+            parser.error(f"--fault {exc}")
         if model in faults:
             whom = "every model" if model == "*" else f"model {model!r}"
             parser.error(f"--fault {flag!r}: a second fault for {whom} (the first would be replaced); give one "
