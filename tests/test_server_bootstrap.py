@@ -7,12 +7,14 @@ import asyncio
 import grpc
 import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from switchyard.common.config import SwitchyardConfig, load_config
 from switchyard.common.errors import ORIGIN_KEY
-from switchyard.common.server import running
+from switchyard.common.server import GRPC_SERVICES, running
 from switchyard.orchestrator.service import OrchestratorService
 from switchyard.common.channels import open_channel, open_sync_channel
 
@@ -45,6 +47,53 @@ def _describe_run_task(address: str):
         db = ProtoReflectionDescriptorDatabase(channel)
         assert "agent.AgentService" in set(db.get_services())
         return DescriptorPool(db).FindServiceByName("agent.AgentService").methods_by_name["RunTask"]
+
+def _reflect(address: str, path: str, *requests: reflection_pb2.ServerReflectionRequest):
+    """The answers of one reflection stream at ``path`` (v1 and v1alpha share their messages' bytes)."""
+    with open_sync_channel(address) as channel:
+        call = channel.stream_stream(path, request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        return list(call(iter(requests), timeout=10))
+
+
+@pytest.mark.parametrize("name", ["orchestrator", "dispatcher"])  # retrieval's server is start_server's too
+async def test_reflection_answers_v1_as_newer_tools_ask_and_v1alpha_as_older_ones_do(name):
+    """grpcurl 1.9 and later ask grpc.reflection.v1.ServerReflection first; every server answered only v1alpha
+    (UNIMPLEMENTED to v1). Both list the same services, both reflection names among them, and v1 describes
+    itself and the service's own methods."""
+    from switchyard.common.reflection import SERVICE_NAMES
+
+    service = {"orchestrator": OrchestratorService, "dispatcher": _dispatcher_service}[name]
+    cfg = shipped_config().with_overrides(**{
+        "orchestrator.retrieval_addr": "127.0.0.1:1", "orchestrator.dispatcher_addr": "127.0.0.1:1"})
+    own = GRPC_SERVICES[name]
+    async with running([service(cfg)], cfg.server) as srv:
+        address = f"127.0.0.1:{srv.port}"
+        listed = {}
+        for version in ("v1", "v1alpha"):
+            (answer,) = await asyncio.to_thread(
+                _reflect, address, f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                reflection_pb2.ServerReflectionRequest(list_services=""))
+            listed[version] = {s.name for s in answer.list_services_response.service}
+        assert listed["v1"] == listed["v1alpha"]
+        assert {own, "grpc.health.v1.Health", *SERVICE_NAMES} <= listed["v1"], listed
+        described = await asyncio.to_thread(
+            _reflect, address, "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            *(reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)
+              for symbol in (own, "grpc.reflection.v1.ServerReflection")))
+        files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+                 for answer in described for raw in answer.file_descriptor_response.file_descriptor_proto]
+        services = {f"{f.package}.{s.name}": [m.name for m in s.method] for f in files for s in f.service}
+        assert services["grpc.reflection.v1.ServerReflection"] == ["ServerReflectionInfo"], services
+        assert services[own], services
+        assert {f.name for f in files} >= {"grpc/reflection/v1/reflection.proto", "agent.proto"}
+
+
+def _dispatcher_service(cfg: SwitchyardConfig):
+    from switchyard.dispatcher.service import DispatcherService
+
+    return DispatcherService(cfg)
+
 
 async def test_a_port_in_use_is_a_named_error():
     """A taken port names the address and the way out, not grpcio's "set GRPC_VERBOSITY=debug"."""

@@ -1,6 +1,7 @@
 """Server bootstrap shared by the three services.
 
-grpc.aio on uvloop with health checking, reflection and message-size limits.
+grpc.aio on uvloop with health checking, reflection (v1 and v1alpha: common/reflection.py) and
+message-size limits.
 Optionally a second, plain-text port serves the same health statuses and
 nothing else (``<service>.health_port``): kubelet's grpc probes cannot speak
 TLS, so with ``server.tls`` on they are pointed there.
@@ -23,11 +24,11 @@ from typing import AsyncIterator, Protocol, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from switchyard.common.config import ConfigError, ServerConfig
 from switchyard.common.grpc_decoding import DecodeRefusal
 from switchyard.common.metrics import SERVING
+from switchyard.common.reflection import enable_server_reflection
 
 log = logging.getLogger(__name__)
 
@@ -325,11 +326,11 @@ async def start_server(
     server = grpc.aio.server(options=server_options(config), interceptors=[*interceptors, *own, refusal])
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
     for service in services:
         service.register(server)
         names.extend(service.grpc_service_names)
-    reflection.enable_server_reflection(names, server)
+    enable_server_reflection(names, server)  # v1 and v1alpha
     try:
         bound = _add_port(server, f"{host}:{port}", config)
     except RuntimeError:  # grpcio raises "Failed to bind to address ..." where older releases returned 0

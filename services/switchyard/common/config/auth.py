@@ -22,6 +22,7 @@ class AuthConfig(_Strict):
                                  "grpc.health.v1.Health/List"],
         description="Methods callable without a token (service/method, or service/* for all of a service's, as "
         "a token file names them): probes by default. Add "
+        "grpc.reflection.v1.ServerReflection/ServerReflectionInfo (newer grpcurl asks it first) and "
         "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo for grpcurl without a token.",
     )
 
