@@ -37,5 +37,6 @@ def test_queue_capacity_is_exported_and_its_series_exist_before_the_first_item()
     assert value("switchyard_queue_depth", queue=name) == 0  # switchyard top shows the queue from the start
     assert value("switchyard_queue_busy_workers", queue=name) == 0
     # A series born with its first item would hide that item from rate(): it must start at 0.
-    assert value("switchyard_queue_wait_seconds_count", queue=name) == 0
+    for outcome in ("admitted", "expired", "cancelled"):
+        assert value("switchyard_queue_wait_seconds_count", queue=name, outcome=outcome) == 0
     assert value("switchyard_queue_rejected_total", queue=name, reason="full") == 0

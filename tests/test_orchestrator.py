@@ -213,7 +213,8 @@ async def test_accepted_needs_no_queue_trip_and_a_task_takes_one():
     from prometheus_client import REGISTRY
 
     def trips() -> float:
-        return REGISTRY.get_sample_value("switchyard_queue_wait_seconds_count", {"queue": "orchestration"}) or 0.0
+        return REGISTRY.get_sample_value("switchyard_queue_wait_seconds_count",
+                                         {"queue": "orchestration", "outcome": "admitted"}) or 0.0
 
     one_worker = {"queues.orchestration": {"capacity": 8, "workers": 1, "timeout_ms": 30000}}
     async with stack(**one_worker) as (stub, down):

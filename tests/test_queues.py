@@ -73,3 +73,44 @@ async def test_exception_reaches_caller():
             await q.run(boom)
     finally:
         await q.stop()
+
+
+async def test_every_wait_is_observed_once_under_how_it_ended_expired_and_cancelled_included():
+    """switchyard_queue_wait_seconds was observed when a worker took an item: an item that waited past the
+    queue's timeout_ms, or whose caller left, was left out, so the wait read short exactly while the queue was
+    overloaded. Each wait is observed once, under its outcome; every outcome's series starts at 0."""
+    from registry_values import metric
+
+    name = "orchestration-waits"
+    q = WorkQueue(name, QueueConfig(capacity=8, workers=1, timeout_ms=50))
+
+    def counts() -> dict[str, float]:
+        return {outcome: metric("switchyard_queue_wait_seconds_count", queue=name, outcome=outcome)
+                for outcome in ("admitted", "expired", "cancelled")}
+
+    assert counts() == {"admitted": 0, "expired": 0, "cancelled": 0}
+    release = asyncio.Event()
+    q.start()
+    try:
+        blocker = asyncio.create_task(q.run(release.wait))
+        await asyncio.sleep(0.01)  # the worker holds the blocker
+        with pytest.raises(QueueTimeoutError):
+            await q.run(release.wait)
+        expired = metric("switchyard_queue_wait_seconds_sum", queue=name, outcome="expired")
+        assert expired >= 0.05  # its whole wait, to the timeout
+        left = asyncio.create_task(q.run(release.wait))
+        await asyncio.sleep(0.01)
+        left.cancel()  # its caller goes while it waits
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        release.set()
+        await blocker
+        await q.run(lambda: asyncio.sleep(0))  # the worker skips the two abandoned items: no second observation
+        assert counts() == {"admitted": 2, "expired": 1, "cancelled": 1}
+        held = asyncio.Event()
+        q.submit(held.wait)
+        await asyncio.sleep(0.01)  # the worker holds it
+        q.submit(held.wait)  # still waiting when the queue stops
+    finally:
+        await q.stop()
+    assert counts() == {"admitted": 3, "expired": 1, "cancelled": 2}

@@ -612,6 +612,43 @@ def test_a_request_buffered_while_admit_core_expires_others_keeps_its_queue_time
     assert "queues.inference.timeout_ms" in str(buffered.error)
 
 
+def test_the_inference_queue_wait_is_observed_for_requests_that_expire_or_leave_while_waiting() -> None:
+    """switchyard_queue_wait_seconds{queue="inference"} was observed at admission only: a request whose
+    queues.inference.timeout_ms or own deadline passed in the queue, the waits of an overload, was left out, and
+    the quantiles read low exactly then. Each wait is observed once, under its outcome."""
+    config = SwitchyardConfig().with_overrides(**{"queues.inference.timeout_ms": 1000,
+                                                  "scheduler.core_wait_before_preempt_ms": 60_000,
+                                                  "scheduler.score_sample_interval_ms": 1})
+    monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: 0.0, nvml=FakeNvml())
+    sched = build_scheduler(config, FakeEngine(), monitor=monitor, capacity=FixedSlots(1))
+
+    def counts() -> dict[str, float]:
+        return {outcome: metric("switchyard_queue_wait_seconds_count", queue="inference", outcome=outcome)
+                for outcome in ("admitted", "expired", "cancelled")}
+
+    def waited(outcome: str) -> float:
+        return metric("switchyard_queue_wait_seconds_sum", queue="inference", outcome=outcome)
+
+    before, sums = counts(), {outcome: waited(outcome) for outcome in ("admitted", "expired", "cancelled")}
+    [running] = make_requests(1, BATCH, arrival=0.0)
+    accept(sched, [running], now=0.0)
+    assert sched.schedule(now=0.0).admitted == [running]
+    [timed_out, left] = make_requests(2, NORMAL, arrival=0.1)
+    [past_deadline] = make_requests(1, NORMAL, arrival=0.1, deadline=0.6)
+    accept(sched, [timed_out, left, past_deadline], now=0.1)
+    sched.finish_requests([left], RequestStatus.FINISHED_ABORTED, now=0.4)  # its caller went while it waited
+    out = sched.schedule(now=1.2)  # the deadline (0.6) and the queue's 1 s (1.1) have passed
+    assert {timed_out, past_deadline} <= set(out.expired)
+    publish(sched)
+    after = counts()
+    assert {k: after[k] - before[k] for k in after} == {"admitted": 1, "expired": 2, "cancelled": 1}
+    assert waited("expired") - sums["expired"] == pytest.approx(1.1 + 1.1)  # each its whole wait, to 1.2
+    assert waited("cancelled") - sums["cancelled"] == pytest.approx(0.3)
+    sched.finish_requests([running], RequestStatus.FINISHED_ABORTED, now=1.3)  # it had been admitted: no wait
+    publish(sched)
+    assert counts() == after
+
+
 def test_a_full_admission_wave_preempts_nothing_at_a_decision_or_mid_step() -> None:
     """The wave (``max_admitted_per_decision``) bounds what one decision admits; preempting frees no room in it.
     A core request the wave left waiting waits for the next decision: it took a batch request's place, and the

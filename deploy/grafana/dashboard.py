@@ -132,7 +132,9 @@ def rows() -> list[tuple[str, list]]:
                 "above 0.8 for 5 minutes.", "percentunit",
                 [(f"max by (queue) (instance_queue:switchyard_queue_saturation:ratio{{{SEL}}})", "{{queue}}")],
                 width=8),
-        _series("Queue wait", "Time an item waited before a worker (or the scheduler) took it, per queue.", "s",
+        _series("Queue wait", "Time an item waited in each queue, every wait: taken by a worker (or the scheduler), "
+                "expired in the queue (timeout_ms or its deadline) or left by its caller (the outcome label, "
+                "summed).", "s",
                 _quantiles("namespace_queue_le:switchyard_queue_wait_seconds_bucket:rate1m", "queue",
                            "{{queue}} "), width=8),
         _series("Batch size", "Requests per batch flushed from the double buffer: mean and P95.", "short",

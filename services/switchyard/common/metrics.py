@@ -44,9 +44,16 @@ WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 QUEUE_DEPTH = Gauge("switchyard_queue_depth", "Items waiting in a queue.", ["queue"])
 QUEUE_WAIT = Histogram(
-    "switchyard_queue_wait_seconds", "Time an item waited in a queue before a worker took it.", ["queue"],
+    "switchyard_queue_wait_seconds",
+    "Time an item waited in a queue, by how the wait ended: a worker took it (admitted), its wait's bound or its "
+    "own deadline passed (expired), or it left unserved otherwise, its caller gone or the service stopping "
+    "(cancelled).", ["queue", "outcome"],
     buckets=WAIT_BUCKETS,
 )
+QUEUE_WAIT_OUTCOMES: tuple[str, ...] = ("admitted", "expired", "cancelled")
+"""The ``outcome`` label of :data:`QUEUE_WAIT`; each wait is observed once, under one of them. Every queue's series
+start at 0 for each, so that ``sum by (le)`` over them is the whole wait, the waits that expired included (their
+absence biased the quantiles down exactly while the queue was overloaded)."""
 QUEUE_REJECTED = Counter(
     "switchyard_queue_rejected_total", "Items rejected by a queue, by reason (full, timeout).", ["queue", "reason"]
 )

@@ -17,7 +17,7 @@ from typing import Awaitable, Callable, Generic, TypeVar
 from switchyard.common.config import QueueConfig
 from switchyard.common.errors import QueueFullError, QueueTimeoutError
 from switchyard.common.metrics import (QUEUE_BUSY_WORKERS, QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECT_REASONS,
-                                       QUEUE_REJECTED, QUEUE_WAIT)
+                                       QUEUE_REJECTED, QUEUE_WAIT, QUEUE_WAIT_OUTCOMES)
 
 T = TypeVar("T")
 
@@ -29,6 +29,8 @@ class _Job(Generic[T]):
     started: asyncio.Future[float]
     done: asyncio.Future[T]
     abandoned: bool = False
+    waited: bool = False
+    """Its wait was observed (:meth:`WorkQueue._waited`): once, whichever way it ended."""
     task: asyncio.Task[T] | None = field(default=None, repr=False)
 
 
@@ -52,7 +54,8 @@ class WorkQueue:
         self._depth_gauge.set(0)  # exported, at 0, before the first item
         self._busy_gauge = QUEUE_BUSY_WORKERS.labels(name)
         self._busy_gauge.set(0)
-        self._wait_histogram = QUEUE_WAIT.labels(name)  # exists (at 0) before the first item: rate() sees it grow
+        # each outcome's series exists (at 0) before the first item: rate() sees it grow
+        self._wait_histograms = {outcome: QUEUE_WAIT.labels(name, outcome) for outcome in QUEUE_WAIT_OUTCOMES}
         self.rejected = {reason: QUEUE_REJECTED.labels(name, reason) for reason in QUEUE_REJECT_REASONS}
         """``switchyard_queue_rejected_total`` of this queue, per reason."""
 
@@ -81,6 +84,7 @@ class WorkQueue:
         self._workers = []
         while not self._items.empty():
             job = self._items.get_nowait()
+            self._waited(job, "cancelled")
             for fut in (job.started, job.done):
                 if not fut.done():
                     fut.cancel()
@@ -131,8 +135,7 @@ class WorkQueue:
             self._depth_gauge.set(self._items.qsize())
             if job.abandoned or job.started.done():
                 continue
-            wait = time.monotonic() - job.enqueued_at
-            self._wait_histogram.observe(wait)
+            wait = self._waited(job, "admitted")
             job.started.set_result(wait)
             self._busy += 1
             self._busy_gauge.set(self._busy)
@@ -158,6 +161,16 @@ class WorkQueue:
                 self._busy_gauge.set(self._busy)
 
 
+    def _waited(self, job: _Job, outcome: str) -> float:
+        """``job``'s wait ended with ``outcome`` (one of ``QUEUE_WAIT_OUTCOMES``): observed in
+        ``switchyard_queue_wait_seconds`` unless an outcome was already observed for it; returns the wait, s."""
+        wait = time.monotonic() - job.enqueued_at
+        if not job.waited:
+            job.waited = True
+            self._wait_histograms[outcome].observe(wait)
+        return wait
+
+
 class Ticket(Generic[T]):
     """A submitted item: its queue position at submit time, and its result."""
 
@@ -179,9 +192,10 @@ class Ticket(Generic[T]):
         except asyncio.TimeoutError:
             job.abandoned = True
             queue.rejected["timeout"].inc()
-            raise QueueTimeoutError(queue.name, time.monotonic() - job.enqueued_at, queue.config.timeout_ms) from None
+            raise QueueTimeoutError(queue.name, queue._waited(job, "expired"), queue.config.timeout_ms) from None
         except asyncio.CancelledError:
             job.abandoned = True
+            queue._waited(job, "cancelled")  # its caller left while it waited (or the queue stopped: observed there)
             raise
         try:
             return await asyncio.shield(job.done), wait

@@ -30,6 +30,7 @@ from switchyard.common.metrics import (
     QUEUE_REJECT_REASONS,
     QUEUE_REJECTED,
     QUEUE_WAIT,
+    QUEUE_WAIT_OUTCOMES,
     TOOL_NAMES,
     TTFT_BUCKETS,
 )
@@ -290,7 +291,7 @@ for _reason in FlushReason:
 for _reason in QUEUE_REJECT_REASONS:
     QUEUE_REJECTED.labels(QUEUE_NAME, _reason)
 QUEUE_DEPTH.labels(QUEUE_NAME).set(0)  # then published from make_stats by the loop
-QUEUE_WAIT_INFERENCE = QUEUE_WAIT.labels(QUEUE_NAME)
+QUEUE_WAIT_INFERENCE = {_outcome: QUEUE_WAIT.labels(QUEUE_NAME, _outcome) for _outcome in QUEUE_WAIT_OUTCOMES}
 # publish_stats' gauges bound once (a labels() lookup costs about what the set does)
 _QUEUE_DEPTH_INFERENCE = QUEUE_DEPTH.labels(QUEUE_NAME)
 _QUEUE_CAPACITY_INFERENCE = QUEUE_CAPACITY.labels(QUEUE_NAME)
@@ -385,8 +386,8 @@ def publish_stats(stats: "SchedulerStats") -> None:
     events = stats.events
     for flush in events.flushed:
         BATCH_SIZE.observe(len(flush.members))
-    for wait in events.queue_waits_s:
-        QUEUE_WAIT_INFERENCE.observe(wait)
+    for outcome, wait in events.queue_waits_s:
+        QUEUE_WAIT_INFERENCE[outcome].observe(wait)
     for wait in events.tool_wait_expected_s:
         TOOL_WAIT_EXPECTED_SECONDS.observe(wait)
     for used in events.task_compute_score_used:

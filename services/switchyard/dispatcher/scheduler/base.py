@@ -215,8 +215,10 @@ class SchedulerEvents:
     """What happened between two reports that is observed one by one (histograms, spans), in order.
 
     ``flushed``: the batches the double buffer flushed (``switchyard_batch_size`` and the
-    ``dispatcher.batch`` span); ``queue_waits_s``: each request's wait from arrival to its first
-    admission, seconds (``switchyard_queue_wait_seconds{queue="inference"}``); ``tool_wait_expected_s``:
+    ``dispatcher.batch`` span); ``queue_waits_s``: each request's (outcome, wait) from arrival to its first
+    admission (``admitted``), or to its end without one (``expired``: ``queues.inference.timeout_ms`` or its own
+    deadline passed; ``cancelled``: its caller left, or it failed otherwise), seconds
+    (``switchyard_queue_wait_seconds{queue="inference",outcome}``); ``tool_wait_expected_s``:
     the expected tool waits of the tool-wait decisions, seconds (``switchyard_tool_wait_expected_seconds``);
     ``task_compute_score_used`` / ``task_memory_peak_bytes``: per request that ended after running, its
     compute score x seconds and its peak KV bytes (``switchyard_task_compute_score_used``,
@@ -224,7 +226,7 @@ class SchedulerEvents:
     """
 
     flushed: list[BatchFlush] = field(default_factory=list)
-    queue_waits_s: list[float] = field(default_factory=list)
+    queue_waits_s: list[tuple[str, float]] = field(default_factory=list)
     tool_wait_expected_s: list[float] = field(default_factory=list)
     task_compute_score_used: list[float] = field(default_factory=list)
     task_memory_peak_bytes: list[int] = field(default_factory=list)

@@ -768,6 +768,10 @@ class SchedulerCore(KvMemory):
         if not req.reached_engine:
             self._queued -= 1
             req.queue_wait_s = max(0.0, now - req.arrival)  # all its life: what its done (or error's consumed) says
+            # its wait ended unserved: observed too, or the histogram would leave out the waits of an overload
+            expired = status is RequestStatus.FINISHED_ERROR and isinstance(
+                req.error, (QueueTimeoutError, RequestDeadlineExceeded))
+            self._events.queue_waits_s.append(("expired" if expired else "cancelled", req.queue_wait_s))
         self._end_handover(req)
         self._batch_member_done(req, now)
         if req.swap_key:  # a DRAM copy it will not come back for
@@ -867,7 +871,7 @@ class SchedulerCore(KvMemory):
         self.capacity.take(req)
         if first:
             req.queue_wait_s = now - req.arrival
-            self._events.queue_waits_s.append(max(0.0, req.queue_wait_s))
+            self._events.queue_waits_s.append(("admitted", max(0.0, req.queue_wait_s)))
             self._queued -= 1
         else:  # a request that reached the engine waits again only after a preemption
             self.counters.resumes["preempted"] += 1
