@@ -802,6 +802,58 @@ async def test_the_openapi_document_lists_the_headers_and_statuses_each_route_an
         assert unknown.split(b"\r\n", 1)[0].endswith(b" 501 Not Implemented"), unknown[:200]
 
 
+@pytest.mark.parametrize(("accept", "streams"), [
+    (None, True), ("*/*", True), ("text/event-stream", True), ("text/*", True), ("TEXT/Event-Stream; q=0.5", True),
+    ("application/json, text/event-stream;q=0.1", True),  # SSE less preferred, still taken
+    ("application/json", False), ("application/*", False), ("text/event-stream;q=0, */*", False),
+    ("text/event-stream;q=0", False), ("text/event-stream;q=2", False), ("json", False),
+])
+async def test_run_answers_an_event_stream_only_to_a_client_that_takes_one_else_406_naming_it(accept, streams):
+    """POST /run with Accept: application/json was answered text/event-stream anyway. A client whose Accept takes
+    no text/event-stream gets 406 in the face's JSON error shape, naming the header, what it takes and what it sent,
+    before the body is read or a task runs; the others get the stream as before (RFC 9110 section 12.5.1)."""
+    async with http_stack() as (client, _stub, down):
+        headers = {} if accept is None else {"Accept": accept}
+        body = {**FIELD_BODY, "task_type": "chat", "payload": "What is with?"}
+        if streams:
+            events = await sse_events(client, body, headers)
+            assert events[0][0] == "accepted" and events[-1][0] == "final"
+            return
+        reply = await client.post("/api/v1/agent/run", json=body, headers=headers)
+        assert reply.status_code == 406 and reply.headers["content-type"].startswith(JSON), reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "INVALID_ARGUMENT" and error["message"].startswith(
+            "Accept: expected a media range that takes text/event-stream (text/event-stream, text/* or */*"), error
+        assert repr(accept) in error["message"] and not down.requests  # nothing ran
+
+
+async def test_every_route_refuses_an_accept_that_takes_none_of_its_answer_and_the_openapi_document_says_so():
+    """The JSON routes answered JSON to a client that said it takes none (Accept: text/event-stream on /submit,
+    text/html on the status routes and probes): 406 naming what each answers; HEAD as GET; nothing submitted.
+    The OpenAPI document lists the 406 on every operation, naming its media type."""
+    async with http_stack() as (client, _stub, down):
+        for method, path in (("POST", "/api/v1/agent/submit"), ("GET", "/api/v1/tasks/t-1"),
+                             ("HEAD", "/api/v1/tasks/t-1"), ("GET", "/api/v1/agent/a/status"),
+                             ("POST", "/api/v1/tasks/t-1/cancel"), ("GET", "/openapi.json"), ("GET", "/healthz"),
+                             ("GET", "/readyz")):
+            reply = await client.request(method, path, json=FIELD_BODY if method == "POST" else None,
+                                         headers={"Accept": "text/event-stream, text/html"})
+            assert reply.status_code == 406, (method, path, reply.status_code, reply.text)
+            if method != "HEAD":
+                message = reply.json()["error"]["message"]
+                assert "takes application/json" in message and "'text/event-stream, text/html'" in message, message
+        assert not down.requests
+        taken = await client.post("/api/v1/agent/submit", json=FIELD_BODY,
+                                  headers={"Accept": "application/*;q=0.2, text/html"})
+        assert taken.status_code == 200, taken.text
+        doc = (await client.get("/openapi.json", headers={"Accept": "application/json"})).json()
+        for path, item in doc["paths"].items():
+            for method, op in item.items():
+                assert "406" in op["responses"], (path, method)
+        assert "text/event-stream" in doc["paths"]["/api/v1/agent/run"]["post"]["responses"]["406"]["description"]
+        assert "application/json" in doc["paths"]["/healthz"]["get"]["responses"]["406"]["description"]
+
+
 def test_a_token_event_is_the_same_json_as_every_other_event_gets():
     import json
 

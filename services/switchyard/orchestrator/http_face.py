@@ -25,11 +25,15 @@ The headers ``X-Agent-Id`` and ``X-Priority`` fill ``agent_id`` and
 The submit and run bodies are JSON (``Content-Type: application/json``, else
 415) of at most :attr:`HttpFace.body_max_bytes` (else 413); ``task_type`` is
 required, and ``agent_id`` in the body or as ``X-Agent-Id`` (http_models.py).
+Each route answers one media type (:data:`ANSWERS`: ``/run`` text/event-stream, every other route
+application/json); a request whose ``Accept`` takes none of it (``Accept: application/json`` on ``/run``) is
+refused 406 before its body is read, naming the header and the media type; no Accept header, or one taking
+``*/*``, is served as before. Errors are JSON on every route.
 
 Errors answer ``{"error": {"code", "message", "origin"}}`` (the message as the gRPC edge words it, internal
 addresses hidden unless ``orchestrator.show_addresses_to_callers``: orchestrator/addresses.py) with the HTTP status
 of the gRPC code (errors.HTTP_STATUS: 400, 401, 403, 404, 409, 429, 503, 504),
-or the face's own: 405 (a wrong method) and 501 (a method no route knows, a
+or the face's own: 405 (a wrong method), 406 (an Accept that takes none of the route's answer) and 501 (a method no route knows, a
 Transfer-Encoding other than chunked alone) (UNIMPLEMENTED), 413, 415, 431 (a header line past 8190 bytes, or too many
 header fields), 505 (a version other than HTTP/1.0 and HTTP/1.1; a request aiohttp's
 parser refuses otherwise is 400) (INVALID_ARGUMENT), 417 (an Expect other than 100-continue, FAILED_PRECONDITION),
@@ -83,7 +87,7 @@ from switchyard.common.metrics import SERVING
 from switchyard.common.server import GRPC_SERVICES, Drains, HealthOwner
 from switchyard.common.tasks import settle
 from switchyard.common.untrusted import duplicate_key, shown
-from switchyard.orchestrator.http_models import (CORS_REQUEST_HEADERS, EXPECTED, INT32_MAX, INT32_MIN,
+from switchyard.orchestrator.http_models import (CORS_REQUEST_HEADERS, EVENT_STREAM, EXPECTED, INT32_MAX, INT32_MIN,
                                                   TaskRequest, describe_error, message_dict, openapi, state_name,
                                                   status_json)
 from switchyard.orchestrator.metrics import CLIENT_WRITE_TIMEOUTS
@@ -104,6 +108,10 @@ ROUTES = {"submit": ("POST", "/api/v1/agent/submit"), "run": ("POST", "/api/v1/a
           "healthz": ("GET", "/healthz"), "readyz": ("GET", "/readyz")}
 """Route name -> (method, route template): the routes :meth:`HttpFace.app` serves, and the ``http_route``
 label values of ``http_server_request_duration_seconds``."""
+ANSWERS = {name: EVENT_STREAM if name == "run" else JSON for name in ROUTES}
+"""Route name -> the media type of its answer: a request whose ``Accept`` takes none of it is refused 406
+(:func:`acceptable`) before anything runs. Errors are JSON on every route (RFC 9110 section 15.5.7 lets an error
+answer disregard ``Accept``), as the OpenAPI document says."""
 
 
 PARSE_IN_THREAD_BYTES = 65536
@@ -233,6 +241,40 @@ def event_bytes(event: agent_pb2.TaskEvent) -> bytes:
     if kind == "accepted":  # the state's lower-case name, as /submit and the status routes answer it
         data["state"] = state_name(event.accepted.state)
     return _sse(kind, data)
+
+
+def acceptable(accept: list[str], media: str) -> bool:
+    """Whether the ``Accept`` header fields ``accept`` (each a comma-separated list of media ranges) take
+    ``media`` (``type/subtype``), as RFC 9110 section 12.5.1 reads them: no field, or only empty ones, takes
+    anything; else the most specific range that matches ``media`` (``type/subtype`` over ``type/*`` over
+    ``*/*``; ranges' other parameters are not told apart) decides, and a ``q`` of 0 refuses. A range that is not
+    ``type/subtype``, or whose ``q`` is not a number from 0 to 1, matches nothing."""
+    kind = media.split("/", 1)[0]
+    best: tuple[int, float] | None = None  # (specificity, q) of the most specific matching range
+    said = False
+    for field in accept:
+        for item in field.split(","):
+            if not item.strip():
+                continue
+            said = True
+            range_, *params = (part.strip() for part in item.split(";"))
+            range_ = range_.lower()
+            specific = {media: 3, f"{kind}/*": 2, "*/*": 1}.get(range_, 0)
+            if not specific:
+                continue
+            q = 1.0
+            for param in params:
+                name, _, value = param.partition("=")
+                if name.strip().lower() == "q":
+                    try:
+                        q = float(value.strip())
+                    except ValueError:
+                        q = -1.0
+            if not 0 <= q <= 1:
+                continue
+            if best is None or specific > best[0] or (specific == best[0] and q > best[1]):
+                best = (specific, q)
+    return not said or (best is not None and best[1] > 0)
 
 
 LAST_EVENT_ID = "Last-Event-ID"
@@ -659,7 +701,7 @@ class HttpFace(Drains, HealthOwner):
     async def _authenticate(self, request: web.Request,
                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         """Bearer tokens as on the gRPC edge; the OpenAPI document, the probes and unknown paths need none."""
-        refused = self._auth_refusal(request)
+        refused = self._auth_refusal(request) or self._not_acceptable(request)
         if refused is not None:
             return refused
         try:
@@ -696,13 +738,29 @@ class HttpFace(Drains, HealthOwner):
                 return _error(code, message.replace("'authorization' metadata", "'Authorization' header"))
         return None
 
+    def _not_acceptable(self, request: web.Request) -> web.Response | None:
+        """The 406 answer of a route whose answer's media type (:data:`ANSWERS`) the request's ``Accept`` does not
+        take (RFC 9110 section 15.5.7: ``Accept: application/json`` on ``/run`` was answered an event stream
+        anyway); None when it does, or for a CORS preflight (which runs nothing) or an unknown path."""
+        route = request.match_info.route.name
+        if request.method == "OPTIONS" or route not in ANSWERS:
+            return None
+        media, accept = ANSWERS[route], request.headers.getall("Accept", [])
+        if acceptable(accept, media):
+            return None
+        kind = media.split("/", 1)[0]
+        return _error(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"Accept: expected a media range that takes {media} ({media}, {kind}/* or */*, with a q above "
+                      f"0) or no Accept header; this route answers {media}, and its errors {JSON} "
+                      f"(got {shown(', '.join(accept))})", status=406)
+
     async def _expect(self, request: web.Request, task_body: bool = False) -> web.StreamResponse | None:
         """``Expect: 100-continue`` answered ``100 Continue`` (aiohttp's rule) once the caller may send its body:
         a caller the bearer tokens refuse gets its 401/403 first (never an invitation to upload), and with
         ``task_body`` a body the route would refuse unread (415, 413) is refused first too; any other
         expectation is 417 in the face's JSON error shape (RFC 9110 section 10.1.1). Answered here, before the
         middleware, each refusal is counted in ``http_server_request_duration_seconds`` by itself."""
-        answer = self._auth_refusal(request)
+        answer = self._auth_refusal(request) or self._not_acceptable(request)
         if answer is None and task_body:
             refused = self._refusal_before_body(request)
             answer = _abort_answer(refused) if refused is not None else None
@@ -927,7 +985,7 @@ class HttpFace(Drains, HealthOwner):
                 return _abort_answer(exc)
             except StopAsyncIteration:  # pragma: no cover - RunTask always sends accepted or aborts
                 return _error(grpc.StatusCode.INTERNAL, "RunTask ended without an event")
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            response = web.StreamResponse(headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache",
                                                    "X-Accel-Buffering": "no"})
             await response.prepare(request)
             event: agent_pb2.TaskEvent | None = first

@@ -28,6 +28,9 @@ from switchyard.common.errors import InvalidArgument
 from switchyard.common.metrics import TASK_TYPES
 from switchyard.common.priority import LABELS, LABELS_EXPECTED, ClassLabel
 
+EVENT_STREAM = "text/event-stream"
+"""The media type of RunTask's answer over HTTP (Server-Sent Events); every other answer is JSON."""
+
 MIB = 1 << 20
 
 StateName = Literal["unspecified", "queued", "running", "finished", "failed"]
@@ -383,7 +386,9 @@ def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars:
         "openapi": "3.1.0",
         "info": {"title": "Switchyard AgentService over HTTP", "version": version,
                  "description": "Every path also answers 405 (UNIMPLEMENTED, with Allow) to a method it does not "
-                                "serve, and the face 501 (UNIMPLEMENTED) to a method no route knows and 505 "
+                                "serve, 406 (INVALID_ARGUMENT) to an Accept header that takes none of the media "
+                                "type its operation answers (text/event-stream for RunTask, application/json "
+                                "elsewhere; no Accept header takes anything), and the face 501 (UNIMPLEMENTED) to a method no route knows and 505 "
                                 "(INVALID_ARGUMENT) to a version other than HTTP/1.0 and HTTP/1.1 (the connection "
                                 "is closed); all in the ErrorResponse shape. Bearer tokens (Authorization) are "
                                 "the bearer security scheme's."},
@@ -409,7 +414,7 @@ def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars:
                 "requestBody": {"required": True, "content": {"application/json": {"schema": ref(TaskRequest)}}},
                 "responses": {"200": {"description": "The event stream; each event's id is <task_id>:<n>, with "
                                                      ":end added on the last (final or error)",
-                                      "content": {"text/event-stream": {"schema": SSE_EVENT}}},
+                                      "content": {EVENT_STREAM: {"schema": SSE_EVENT}}},
                               "204": {"description": "Last-Event-ID named the last event of a stream: it was read "
                                                      "whole, and an EventSource-style client stops reconnecting"},
                               "409": json_body(ErrorResponse, "ABORTED: Last-Event-ID named an event within a "
@@ -466,6 +471,14 @@ def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars:
             "schema": {"type": "object", "required": ["openapi", "paths"]}}}}, **face_errors},
     }}
     for operations in document["paths"].values():
+        for operation in operations.values():  # each answers one media type: an Accept that takes none of it is 406
+            answers = [media for status, answer in operation["responses"].items() if status.startswith("2")
+                       for media in answer.get("content", {})]
+            media = answers[0] if answers else "application/json"
+            operation["responses"]["406"] = json_body(ErrorResponse, (
+                f"INVALID_ARGUMENT: the Accept header takes no {media}, which this route answers (a media range "
+                f"that takes it: {media}, {media.split('/')[0]}/* or */*, with a q above 0; or no Accept header); "
+                "the message names it. Errors are application/json on every route"))
         if "get" in operations:  # RFC 9110 section 9.3.2: HEAD wherever GET, its status and headers, no body
             get = operations["get"]
             operations["head"] = {
