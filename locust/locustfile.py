@@ -24,7 +24,9 @@ While the test runs, the three figures the field watches are written every
 ``locust_watch.csv``), read from the dispatcher's ``/metrics``: engine busy ratio
 and compute score (GPU utilisation too when NVML reports it), KV fragmentation
 ratio and the OOM count, each row with locust's own totals at that moment
-(requests, failures, requests/s, P50/P95 ms). The dispatcher's metrics URL comes
+(requests, failures, requests/s, P50/P95 ms); the last row is written at the run's end (the users stopped,
+before the backlog is settled), so the series ends with the run's totals, as locust's own ``--csv`` files do
+(their writer's last round is waited for at the exit). The dispatcher's metrics URL comes
 from ``--switchyard-metrics``, else the up file of the stack whose HTTP face is
 ``--host`` (``switchyard up`` records each stack's), else
 ``http://127.0.0.1:9103/metrics``; the log says which it read. ``switchyard top``
@@ -232,7 +234,6 @@ def _write_backlog_csv(path: str, outcomes: dict[str, tuple[str, str]]) -> None:
         writer.writerows([task_id, state, outcome] for task_id, (state, outcome) in sorted(outcomes.items()))
 
 
-@events.test_stop.add_listener
 def _settle_backlog(environment, **_kwargs) -> None:
     """At the test's stop: the tasks this process's users submitted that had not finished are cancelled (or, with
     ``--keep-backlog``, read and left running) and reported: a log line, ``<--csv prefix>_backlog.csv`` (each task:
@@ -438,6 +439,7 @@ def _options(environment, **_kwargs) -> None:
     # time, and a loaded machine's 3 s run ended ~1 s after its start, or before a request came back
     gevent.get_hub().loop.update_now()
     if options is not None:
+        _CSV_WRITTEN[0] = bool(getattr(options, "csv_prefix", None))
         AgentUser.weight = options.submit_weight
         StreamingRunTaskUser.weight = options.streaming_weight
         if options.streaming_weight <= 0:
@@ -458,7 +460,30 @@ def _start_watch(environment, **_kwargs) -> None:
     _watch.append(Watch(environment, url, options.watch_csv, options.watch_interval))
 
 
-@events.test_stop.add_listener
 def _stop_watch(environment, **_kwargs) -> None:
+    """The watch's last row, at the run's end: the users stopped, every request of the run counted."""
     while _watch:
         _watch.pop().stop()
+
+
+# test_stop's listeners run in the order added: the watch's last row first, at the run's end, then the backlog's
+# settling, which is not the run's (its row came after the settle, seconds past the run's end, its figures read then)
+events.test_stop.add_listener(_stop_watch)
+events.test_stop.add_listener(_settle_backlog)
+
+_CSV_WRITTEN: list[bool] = [False]
+"""Whether locust writes its ``--csv`` files in this process (set from the options at init)."""
+
+
+@events.quit.add_listener
+def _last_csv_write(**_kwargs) -> None:
+    """locust's ``--csv`` writer rewrites ``_stats.csv`` and appends to ``_stats_history.csv`` every
+    ``CSV_STATS_INTERVAL_SEC`` (1 s), and closes its files at the exit without a last write: both missed the
+    requests of the run's last second (``_stats.csv`` counted 379 of a run's 385, its series ending a second
+    early). ``quit`` comes after the users stopped and before those files close: waiting a little longer than
+    the interval lets the writer's next round, which comes within the interval of its last, write the run's
+    final figures."""
+    if _CSV_WRITTEN[0]:
+        from locust.stats import CSV_STATS_INTERVAL_SEC
+
+        gevent.sleep(CSV_STATS_INTERVAL_SEC * 1.25)

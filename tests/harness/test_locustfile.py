@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -63,6 +64,58 @@ async def test_the_locustfile_sends_the_bearer_token_of_switchyard_auth_token_or
     assert by_file.returncode == 0, by_file.stdout + by_file.stderr  # the file wins over the variable
     assert int(file_stats["Aggregated"]["Request Count"]) > 0, file_stats
     assert int(file_stats["Aggregated"]["Failure Count"]) == 0, file_stats
+
+
+def test_the_runs_csv_series_and_the_watch_end_with_the_runs_last_requests(tmp_path):
+    """Every series of a run ends with the run's total, as the JSON written at the exit: locust's --csv files, and
+    the watch's last row."""
+    run, stats = run_locust("http://127.0.0.1:1", tmp_path, dict(os.environ), "--json-file", str(tmp_path / "run"))
+    assert run.returncode in (0, 1), run.stdout + run.stderr  # 1: every request failed (nothing listens there)
+    with open(tmp_path / "run.json") as f:
+        total = sum(entry["num_requests"] for entry in json.load(f))
+    assert total > 0
+    assert int(stats["Aggregated"]["Request Count"]) == total, (stats["Aggregated"], total)
+    with open(tmp_path / "run_stats_history.csv", newline="") as f:
+        history = [row for row in csv.DictReader(f) if row["Name"] == "Aggregated"]
+    assert int(history[-1]["Total Request Count"]) == total, (history[-3:], total)
+    with open(tmp_path / "watch.csv", newline="") as f:
+        watched = list(csv.DictReader(f))
+    assert int(watched[-1]["requests"]) == total, (watched[-1], total)
+
+
+def test_locusts_csv_files_count_the_requests_of_the_runs_last_second(tmp_path):
+    """locust's --csv writer writes every second and closes its files at the exit without a last write: the stats
+    CSV and its history missed the requests after its last round (a 60 s run's _stats.csv counted 379 of its 385
+    requests, its series ending a second early). Its writer, driven as locust's main drives it: a round, a request
+    after it, then the exit (the quit event, then the files closed)."""
+    probe = f"""
+import csv, sys, types
+import gevent
+from locust import events, stats
+from locust.env import Environment
+sys.path.insert(0, "locust")
+import locustfile
+
+prefix = sys.argv[1]
+env = Environment(events=events, parsed_options=types.SimpleNamespace(
+    csv_prefix=prefix, watch_csv=prefix + "_watch.csv", watch_interval=5.0, submit_weight=1, streaming_weight=1,
+    switchyard_metrics="", token_file=""))
+events.init.fire(environment=env, runner=None, web_ui=None)  # the locustfile reads the options
+writer = stats.StatsCSVFileWriter(env, stats.PERCENTILES_TO_REPORT, prefix, False)
+gevent.spawn(writer.stats_writer)
+gevent.sleep(0.1)  # its first round, before any request
+env.stats.log_request("POST", "/api/v1/agent/submit", 5, 0)  # the run's last request
+events.quit.fire(exit_code=0)
+writer.close_files()
+with open(prefix + "_stats.csv", newline="") as f:
+    final = {{row["Name"]: row["Request Count"] for row in csv.DictReader(f)}}
+with open(prefix + "_stats_history.csv", newline="") as f:
+    series = [row["Total Request Count"] for row in csv.DictReader(f)]
+print(final.get("Aggregated"), series[-1])
+"""
+    run = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=120, cwd=LOCUSTFILE.parents[1])
+    assert run.stdout.split() == ["1", "1"], run.stdout + run.stderr
 
 
 def test_an_unreadable_token_file_stops_the_run_before_it_starts(tmp_path):
