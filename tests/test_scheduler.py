@@ -883,6 +883,37 @@ def test_parked_prefix_state_is_released_when_the_ttl_runs_out() -> None:
     assert observe.num_computed_tokens == 0 and observe.recomputed_tokens == 50
 
 
+def test_every_way_out_of_the_parking_remembers_the_prefix_within_one_bound(monkeypatch) -> None:
+    # a parked state leaves HBM at its TTL, to make room, or by its tool-wait decision: each way its next step
+    # finds the prefix it left (tokens, and whether DRAM holds it), and the memory of them keeps one bound
+    from switchyard.dispatcher.scheduler import parking
+
+    monkeypatch.setattr(parking, "COLD_PREFIX_MEMORY", 2)
+    released: list[Request] = []
+    lot = parking.ParkedAgents(1.0, released.append, lambda req: 100 * req.num_computed_tokens,
+                               demote=lambda req: req.agent_id == "swapped")
+    steps = {name: _react(name, arrival=0.0) for name in ("expired", "evicted", "swapped", "dropped")}
+    for i, req in enumerate(steps.values()):
+        req.num_computed_tokens = 10 + i
+        lot.park(req, now=0.0)
+    lot.expire(now=0.5)
+    assert released == []
+    lot.expire(now=1.5)  # every TTL ran out: all four leave through the TTL's way
+    assert released == list(steps.values())
+    for req in steps.values():
+        lot.park(req, now=2.0)
+    assert lot.evict_lowest(lambda entry: entry.req.num_computed_tokens) is steps["expired"]
+    assert lot.move_out(steps["swapped"].program_key, demote=True)
+    assert not lot.move_out(steps["dropped"].program_key, demote=False)
+    lost = lot.take(steps["expired"].program_key, 2.5, _react("expired", arrival=2.5, resume=True))
+    assert (lost.warm, lost.prefix_tokens) == (False, 0)  # the oldest of three remembered: forgotten
+    found = lot.take(steps["swapped"].program_key, 2.5, _react("swapped", arrival=2.5, resume=True))
+    assert (found.warm, found.prefix_tokens, found.in_dram) == (False, 12, True)
+    found = lot.take(steps["dropped"].program_key, 2.5, _react("dropped", arrival=2.5, resume=True))
+    assert (found.warm, found.prefix_tokens, found.in_dram) == (False, 13, False)
+    assert lot.counters.tool_wait_expired == 4 and lot.counters.parked_evicted == 1
+
+
 def test_finished_or_cancelled_work_leaves_every_set() -> None:
     engine = FakeEngine()
     sched = make_scheduler(engine=engine, running=1)

@@ -114,6 +114,8 @@ class ParkedAgents:
         record of the link; the parked step holds its KV, counted in :attr:`kv_bytes`, until the resuming step
         starts or leaves (:meth:`end_handover`)."""
         self._cold: OrderedDict[str, tuple[int, bool]] = OrderedDict()
+        """Tasks whose parked state left HBM, by ``program_key``: (prefix tokens, whether DRAM holds a copy), what
+        their next step finds (:meth:`take`); written by :meth:`_remember_cold` alone."""
         self.counters = counters if counters is not None else SchedulerCounters()
 
     def park(self, req: Request, now: float) -> None:
@@ -213,9 +215,7 @@ class ParkedAgents:
         tokens = entry.req.num_computed_tokens
         in_dram = (copy or self._demote)(entry.req) if demote else False
         self._release(entry.req)
-        self._cold[program_key] = (tokens, in_dram)
-        while len(self._cold) > COLD_PREFIX_MEMORY:
-            self._cold.popitem(last=False)
+        self._remember_cold(program_key, tokens, in_dram)
         return in_dram
 
     def forget(self, program_key: str) -> bool:
@@ -255,6 +255,11 @@ class ParkedAgents:
             self.counters.parked_evicted += 1
         else:
             self.counters.tool_wait_expired += 1
+        self._remember_cold(program_key, tokens, in_dram)
+
+    def _remember_cold(self, program_key: str, tokens: int, in_dram: bool) -> None:
+        """The task's state left HBM: remember its prefix length (``tokens``) and whether DRAM holds a copy
+        (``in_dram``) for its resume (:meth:`take`), the oldest forgotten past :data:`COLD_PREFIX_MEMORY`."""
         self._cold[program_key] = (tokens, in_dram)
         while len(self._cold) > COLD_PREFIX_MEMORY:
             self._cold.popitem(last=False)
