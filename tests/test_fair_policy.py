@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import grpc
 import pytest
 
@@ -141,6 +143,21 @@ def test_a_request_that_cannot_make_its_deadline_is_refused_by_name():
     assert caught.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
     assert "too-late" in str(caught.value) and "slack" in str(caught.value)
     assert s.num_waiting == 0
+
+
+def test_the_refusal_and_the_order_count_the_time_the_request_already_waited_alike():
+    # one time left, as both the early refusal and the queue's slack read it: what was sent less the time since
+    # the request arrived; a request with 2 s left that arrived 1.5 s before it reaches the scheduler has 0.5 s
+    s = sched()
+    late = req("late", task_time_left_s=2.0, expected_remaining_work_s=1.0, arrival=0.0)
+    assert s.time_left_s(late, 1.5) == pytest.approx(0.5)
+    assert s.slack(late, 1.5) == pytest.approx(-0.5 - s.expected_service_s(late))
+    with pytest.raises(CannotMeetDeadline) as caught:
+        s.add_request(late, 1.5)
+    assert caught.value.slack_s == pytest.approx(s.slack(late, 1.5))
+    fresh = req("fresh", task_time_left_s=2.0, expected_remaining_work_s=1.0, arrival=1.5)
+    s.add_request(fresh, 1.5)  # the same message arriving now: 1 s of slack, served
+    assert s.time_left_s(req("no-deadline"), 9.0) is None and math.isinf(s.slack(req("no-deadline"), 9.0))
 
 
 def test_a_draining_dispatcher_refuses_unavailable_before_judging_a_deadline():

@@ -148,10 +148,16 @@ class FairScheduler(PriorityScheduler):
         ordered = sorted(outputs)
         self._output_q[task_type] = ordered[min(len(ordered) - 1, int(OUTPUT_QUANTILE * len(ordered)))]
 
+    @staticmethod
+    def time_left_s(req: Request, now: float) -> float | None:
+        """Seconds ``req``'s task has left at ``now``: its ``task_time_left_s`` as sent, less the time since it
+        arrived (monotonic seconds); None when its caller gave none (no deadline)."""
+        return None if req.task_time_left_s is None else req.task_time_left_s - max(0.0, now - req.arrival)
+
     def slack(self, req: Request, now: float) -> float:
         """``req``'s slack at ``now`` (:func:`switchyard.dispatcher.scheduler.slack.slack_s`), seconds."""
-        left = None if req.task_time_left_s is None else req.task_time_left_s - max(0.0, now - req.arrival)
-        return slack_rule.slack_s(left, req.expected_remaining_work_s, self.expected_service_s(req))
+        return slack_rule.slack_s(self.time_left_s(req, now), req.expected_remaining_work_s,
+                                  self.expected_service_s(req))
 
     def _refuse_early(self, req: Request, now: float) -> None:
         """Refuse a request that cannot make its deadline (:meth:`SchedulerCore.add_request` asks once the
@@ -164,8 +170,8 @@ class FairScheduler(PriorityScheduler):
         Raises:
             CannotMeetDeadline: its slack is already below ``-early_refusal_margin_s`` (DEADLINE_EXCEEDED).
         """
-        if req.task_time_left_s is not None and not req.no_early_refusal:
-            left = req.task_time_left_s - max(0.0, now - req.arrival)
+        left = self.time_left_s(req, now)
+        if left is not None and not req.no_early_refusal:
             try:
                 slack_rule.check(req.request_id, left, req.expected_remaining_work_s, self.expected_service_s(req),
                                  req.early_refusal_margin_s)
