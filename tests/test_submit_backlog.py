@@ -612,6 +612,33 @@ async def test_metadata_goes_on_the_span_of_a_task_not_of_a_refused_request_on_b
         assert recorded == [{"user": "u1"}]
 
 
+async def test_run_task_and_submit_task_take_the_edge_headers_alike(tmp_path):
+    """One edge path for a new task (OrchestratorService._new_task_spec): the x-agent-id and x-priority headers
+    fill what the request left unset, and a bad x-priority is refused naming the header, on both calls."""
+    headers = (("x-agent-id", "agent-h"), ("x-priority", "Core"))
+    async with backlog_stack(tmp_path / "tasks.sqlite3") as (stub, _, down):
+        down.gate.set()
+        async for _ in stub.RunTask(agent_pb2.RunTaskRequest(task_id="h-run", payload="p", task_type="chat"),
+                                    metadata=headers):
+            pass
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="h-sub", payload="p", task_type="chat"),
+                              metadata=headers)
+        assert (await final_state(stub, "h-sub")).state == agent_pb2.SUCCEEDED
+        sent = {r.request_id.split(":")[0]: (r.agent_id, r.priority) for r in down.requests}
+        assert sent == {"h-run": ("agent-h", agent_pb2.CORE), "h-sub": ("agent-h", agent_pb2.CORE)}
+        bad = (("x-priority", "urgent"),)
+        with pytest.raises(grpc.aio.AioRpcError) as submit_refused:
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="h-bad", payload="p", task_type="chat"),
+                                  metadata=bad)
+        with pytest.raises(grpc.aio.AioRpcError) as run_refused:
+            async for _ in stub.RunTask(agent_pb2.RunTaskRequest(task_id="h-bad", payload="p", task_type="chat"),
+                                        metadata=bad):
+                pass
+        assert submit_refused.value.code() == run_refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert submit_refused.value.details() == run_refused.value.details()
+        assert "x-priority" in run_refused.value.details()
+
+
 class FullQueueDownstream(CountingDownstream):
     """The fixed downstream with an inference queue of ``capacity`` places: a Generate past them is refused at
     once, RESOURCE_EXHAUSTED naming the queue, as the dispatcher refuses it."""

@@ -510,6 +510,24 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             if not waits_again:
                 TASKS.labels(workflow, code.name).inc()
 
+    async def _new_task_spec(self, request: agent_pb2.RunTaskRequest,
+                             context: grpc.aio.ServicerContext) -> TaskSpec:
+        """A new task at the edge, the one path of RunTask and SubmitTask (the HTTP face's included): the
+        ``x-agent-id`` and ``x-priority`` headers fill what the request left unset (:func:`apply_edge_headers`),
+        the caller's tenant is chosen (:func:`edge_tenant`), the request is checked (:meth:`_validate`), and a
+        task that passes is still refused while the orchestrator drains (:meth:`_refuse_new_work`).
+
+        Raises:
+            SwitchyardError: INVALID_ARGUMENT naming the field or header, NOT_FOUND naming the model,
+                PERMISSION_DENIED naming ``x-tenant-id`` (another tenant than the bearer token's), UNAVAILABLE
+                naming the dispatcher (it could not be asked what it serves) or the drain.
+        """
+        apply_edge_headers(request, context.invocation_metadata(), self.config.limits.max_id_chars)
+        tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
+        spec = await self._validate(request, tenant)
+        self._refuse_new_work()
+        return spec
+
     async def _validate(self, request: agent_pb2.RunTaskRequest, tenant: str) -> TaskSpec:
         """:func:`validate` against what the dispatcher serves (asked once): the model a request naming none
         is served, and the model names it serves (a step engine's one, or those its upstream lists: another is
@@ -575,10 +593,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         not answer, or the status a downstream service answered, its hop named.
         """
         try:
-            apply_edge_headers(request, context.invocation_metadata(), self.config.limits.max_id_chars)
-            tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
-            spec = await self._validate(request, tenant)
-            self._refuse_new_work()
+            spec = await self._new_task_spec(request, context)
             self._check_ready(spec.workflow)
         except SwitchyardError as exc:
             await self._abort(context, exc)
@@ -634,10 +649,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         store wrote): the retry that caller makes is answered that task, which runs.
         """
         try:
-            apply_edge_headers(request, context.invocation_metadata(), self.config.limits.max_id_chars)
-            tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
-            spec = await self._validate(request, tenant)
-            self._refuse_new_work()
+            spec = await self._new_task_spec(request, context)
             self._record_metadata(request.metadata)  # a task's, as RunTask records it: not a refused request's
             limit = self.config.orchestrator.max_unfinished_submitted_tasks
             if len(self._submitted) >= limit and not request.task_id:  # a task_id may name a task already recorded:
