@@ -440,17 +440,10 @@ class InferenceClient:
                                        self._tls) from None
         return self._model_info
 
-    async def default_model(self, timeout_s: float = 5.0) -> str:
-        """The model the dispatcher serves to a request that names none (:meth:`model_info`).
-
-        Raises:
-            ServiceUnavailable, SwitchyardError: see :meth:`model_info`.
-        """
-        return (await self.model_info(timeout_s)).model
-
     @property
     def known_default_model(self) -> str:
-        """:meth:`default_model` once it has been asked, else ""."""
+        """The model the dispatcher serves to a request that names none, as the kept :meth:`model_info` says it
+        (``ModelInfo.model``); "" before it was first asked."""
         return self._model_info.model if self._model_info is not None else ""
 
     def reported_context_window(self, model: str) -> int:
