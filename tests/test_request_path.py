@@ -77,6 +77,11 @@ async def test_a_chat_task_runs_from_the_orchestrator_servicer_to_a_dispatcher_e
     trip = report.round_trip()
     assert trip.path and any(v is not None and v.module.startswith("switchyard.dispatcher.engines.") for v in trip.path)
     assert not any(request_path.is_helper(v.module) for v in visits)
+    # the one callback left on a chat task's path is the token-merge rule's item test (docs/architecture.md):
+    # the KV budget reads a hand-over's bytes from the parking that records it, the accounting the one rule of a
+    # request's live KV (accounting.held_kv_bytes), and a session tells an end by the item pushed to it, none of
+    # them calling back into the scheduler or the request below them on the stack
+    assert {str(c) for c in report.callbacks} <= {"common.coalescing -> dispatcher.output:_token_of"}
     printed = io.StringIO()
     request_path.print_reports([report], show_path=False, out=printed)
     assert printed.getvalue().startswith("chat (1 recorded")

@@ -78,7 +78,7 @@ from switchyard.common.generate_protocol import (
     encode_error,
 )
 from switchyard.common.priority import PriorityClass
-from switchyard.dispatcher.output import OutputItem, StreamToken, coalesce
+from switchyard.dispatcher.output import OutputItem, StreamDone, StreamError, StreamToken, coalesce
 from switchyard.dispatcher.processor import RequestProcessor, consumed, request_span
 
 if TYPE_CHECKING:
@@ -331,10 +331,11 @@ class GenerateSession:
         replies(), and cut a hold short when the output must not wait: the request's first (its TTFT), its
         last (its end, which the caller's next step waits on), or any of a CORE request's (its inter-token
         latency). A token of a request with a token hold wakes nothing before that hold is over (a timer
-        does then); its tool call ends the hold."""
+        does then); its tool call ends the hold. Its end is told by the item (``StreamDone``, ``StreamError``),
+        not by asking the request while the loop's publish, below on the stack, pushes it."""
         req = running.req
-        if running.state is RequestState.STARTED or (req is not None and (req.priority is PriorityClass.CORE
-                                                                          or req.is_finished)):
+        if (running.state is RequestState.STARTED or isinstance(item, (StreamDone, StreamError))
+                or (req is not None and req.priority is PriorityClass.CORE)):
             running.due = True
             self._urgent_now()
         elif running.hold_s and not running.due:

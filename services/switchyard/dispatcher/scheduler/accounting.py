@@ -38,7 +38,16 @@ from typing import TYPE_CHECKING, Callable
 from switchyard.dispatcher.request import Request
 
 if TYPE_CHECKING:
+    from switchyard.dispatcher.engines.base import KVCacheManager
     from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
+
+
+def held_kv_bytes(kv: "KVCacheManager", req: Request) -> int:
+    """KV bytes held for ``req`` now: the engine's count (``kv.kv_bytes``), or what the step in flight allocated
+    for it when more (``req.step_kv_bytes``: a prefill's prompt is held while it is computed, before the engine's
+    count has it). The one rule of a request's live KV: its memory peak here, the scheduler's preemption and
+    fragmentation (``SchedulerCore._kv_bytes``)."""
+    return max(kv.kv_bytes(req), req.step_kv_bytes)
 
 
 class Accounting:
@@ -48,7 +57,8 @@ class Accounting:
     score (:attr:`running_score`).
 
     Args:
-        kv_bytes: bytes of KV/prefix state the engine holds for a request now.
+        kv_bytes: bytes of KV/prefix state held for a request now (:func:`held_kv_bytes` over the engine's KV
+            manager).
         monitor: the compute score, measured over each stretch charged.
     """
 

@@ -106,7 +106,9 @@ class KvBudget:
         device_used: reads device memory in use, bytes (None: not readable,
             the modelled usage applies).
         taken_over: bytes of a request's own among ``held_beside_running`` (its agent's warm prefix being handed
-            over to it, which becomes its own when it starts): they count against every request but that one.
+            over to it, which becomes its own when it starts; read from their owner, the parking:
+            :meth:`~switchyard.dispatcher.scheduler.parking.ParkedAgents.handed_over_bytes`): they count against
+            every request but that one.
 
     Raises:
         ValueError: the weights alone exceed ``capacity_ratio`` x device memory.

@@ -80,6 +80,7 @@ All times are ``time.monotonic()`` seconds, passed in as ``now``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any, Callable
@@ -98,7 +99,7 @@ from switchyard.common.errors import (
 from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
-from switchyard.dispatcher.scheduler.accounting import Accounting
+from switchyard.dispatcher.scheduler.accounting import Accounting, held_kv_bytes
 from switchyard.dispatcher.scheduler.admission import Admission
 from switchyard.dispatcher.scheduler.base import (
     QUEUE_NAME,
@@ -211,7 +212,8 @@ class SchedulerCore(KvMemory):
         self._events = SchedulerEvents()  # observed since the last make_stats
         self.admission = Admission(self.scheduler_config, self.counters.admissions_refused,
                                    by_score=not streams)
-        self.accounting = Accounting(self._kv_bytes, self.monitor)  # a step's allocation counts as it runs
+        # a step's allocation counts as it runs; the rule itself, not this scheduler's method (no call back into it)
+        self.accounting = Accounting(functools.partial(held_kv_bytes, self.kv), self.monitor)
         self.parking = ParkedAgents(self.scheduler_config.tool_wait_ttl_s, self._release, self.kv.kv_bytes,
                                     self._demote_parked, self.counters)
         self._held_beside_running = HeldBesideRunning(self.parking, self.kv)
@@ -224,7 +226,7 @@ class SchedulerCore(KvMemory):
         """KV bytes one token of one request needs (0: the engine holds no KV here): what a step allocates."""
         if capacity is None:
             capacity = (KvBudget(config.memory.hbm, info, self._held_beside_running, self.kv.device_used_bytes,
-                                 taken_over=self._taken_over) if info else Unbounded())
+                                 taken_over=self.parking.handed_over_bytes) if info else Unbounded())
         self.capacity = capacity
         flush = config.batching
         self.adaptive_flush = adaptive_flush
@@ -965,10 +967,9 @@ class SchedulerCore(KvMemory):
         self._events.task_memory_peak_bytes.append(req.memory_peak_bytes)
 
     def _kv_bytes(self, req: Request) -> int:
-        """KV bytes held for ``req`` now: the engine's count, or what the step in flight allocated for it when more
-        (``req.step_kv_bytes``: a prefill's prompt is held while it is computed, before the engine's count has
-        it)."""
-        return max(self.kv.kv_bytes(req), req.step_kv_bytes)
+        """KV bytes held for ``req`` now (:func:`.accounting.held_kv_bytes`: the engine's count, or what the step in
+        flight allocated for it when more)."""
+        return held_kv_bytes(self.kv, req)
 
     def _release(self, req: Request) -> None:
         """Free ``req``'s KV (a parked step leaving its parking ends as tool_calls)."""

@@ -303,11 +303,6 @@ class KvMemory:
         """Bytes that must leave HBM before ``req`` fits (0 for a capacity that does not count bytes)."""
         return self.kv_budget.shortfall(req) if self.kv_budget is not None else 0
 
-    def _taken_over(self, req: Request) -> int:
-        """Bytes of the warm prefix ``req`` takes over from its agent's parked step when it starts."""
-        handover = self.parking.handover(req)
-        return handover.kv_bytes if handover is not None else 0
-
     def _cool_handovers(self, head: Request) -> None:
         """The last resort of :meth:`_make_room`: warm prefixes being handed over to steps waiting behind ``head``
         leave HBM as an evicted parked agent's would; each such step then restores its prefix from DRAM (where
@@ -325,7 +320,7 @@ class KvMemory:
         held_too = head.priority is PriorityClass.CORE or not (self._running or self._leaving)
         behind = [w for w in self.queue if w is not head and (handover := self.parking.handover(w)) is not None
                   and (held_too or handover.held_until <= now)]
-        if sum(self._taken_over(w) for w in behind) < self._shortfall(head):
+        if sum(self.parking.handed_over_bytes(w) for w in behind) < self._shortfall(head):
             return
         for waiting in behind:
             handover = self.parking.handover(waiting)

@@ -146,6 +146,12 @@ class ParkedAgents:
         """The warm prefix being handed over to ``taker`` (None: none)."""
         return self._handovers.get(taker)
 
+    def handed_over_bytes(self, taker: Request) -> int:
+        """Bytes of the warm prefix being handed over to ``taker`` (its agent's parked step's, read from the engine),
+        which become its own when it starts; 0 when it takes none over (the KV budget's ``taken_over``)."""
+        handover = self._handovers.get(taker)
+        return handover.kv_bytes if handover is not None else 0
+
     def hold_handover(self, taker: Request, until: float) -> None:
         """The prefix handed over to ``taker`` was held for this turn by its tool-wait decision: keep it for the
         turn until ``until`` (monotonic seconds; :attr:`Handover.held_until`)."""
