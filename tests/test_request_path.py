@@ -82,6 +82,13 @@ async def test_a_chat_task_runs_from_the_orchestrator_servicer_to_a_dispatcher_e
     # request's live KV (accounting.held_kv_bytes), and a session tells an end by the item pushed to it, none of
     # them calling back into the scheduler or the request below them on the stack
     assert {str(c) for c in report.callbacks} <= {"common.coalescing -> dispatcher.output:_token_of"}
+    # a react_loop task's steps park and are taken over: the parking frees a step's KV by the one release rule
+    # (update.release_kv), not through the scheduler; what is left is moving a parked state out (its value and
+    # copy are the scheduler's to decide)
+    [react] = await request_path.measure(index, ["react_loop"], max_tokens=request_path.MAX_TOKENS)
+    assert {str(c) for c in react.callbacks} <= {"common.coalescing -> dispatcher.output:_token_of",
+                                                 "dispatcher.scheduler.parking -> dispatcher.scheduler.kv_memory:"
+                                                 "KvMemory._demote_parked"}
     printed = io.StringIO()
     request_path.print_reports([report], show_path=False, out=printed)
     assert printed.getvalue().startswith("chat (1 recorded")

@@ -117,7 +117,7 @@ from switchyard.dispatcher.engines.base import (
     StreamEngine,
 )
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, HeldBesideRunning, KvBudget, Unbounded
-from switchyard.dispatcher.scheduler.update import apply_output, compose_batch
+from switchyard.dispatcher.scheduler.update import apply_output, compose_batch, release_kv
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.parking import ParkedAgents
 from switchyard.dispatcher.scheduler.kv_memory import KvMemory
@@ -214,8 +214,8 @@ class SchedulerCore(KvMemory):
                                    by_score=not streams)
         # a step's allocation counts as it runs; the rule itself, not this scheduler's method (no call back into it)
         self.accounting = Accounting(functools.partial(held_kv_bytes, self.kv), self.monitor)
-        self.parking = ParkedAgents(self.scheduler_config.tool_wait_ttl_s, self._release, self.kv.kv_bytes,
-                                    self._demote_parked, self.counters)
+        self.parking = ParkedAgents(self.scheduler_config.tool_wait_ttl_s, functools.partial(release_kv, self.kv),
+                                    self.kv.kv_bytes, self._demote_parked, self.counters)
         self._held_beside_running = HeldBesideRunning(self.parking, self.kv)
         """KV bytes held beside the running set (parked prefixes, the prefix cache), read by the KV budget."""
         self.tool_waits = ToolWaitPlans(self.counters.tool_decisions, self.counters.tool_resumes,
@@ -972,12 +972,8 @@ class SchedulerCore(KvMemory):
         return held_kv_bytes(self.kv, req)
 
     def _release(self, req: Request) -> None:
-        """Free ``req``'s KV (a parked step leaving its parking ends as tool_calls)."""
-        if req.status is PARKED:
-            req.status = RequestStatus.FINISHED_TOOL_CALLS
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.step_kv_bytes = 0
+        """Free ``req``'s KV (:func:`.update.release_kv`; a parked step leaving its parking ends as tool_calls)."""
+        release_kv(self.kv, req)
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state now, and what it counted and observed since the previous call

@@ -93,7 +93,8 @@ class ParkedAgents:
 
     Args:
         ttl_s: seconds a parked agent's prefix state is kept (``tool_wait_ttl_s``).
-        release: drops a request's prefix state in the engine (the scheduler's release: ``kv.free``).
+        release: drops a request's prefix state in the engine (:func:`.update.release_kv` over the engine's KV
+            manager: ``kv.free``).
         kv_bytes: bytes the engine holds for a request (``kv.kv_bytes``).
         demote: called with a request whose state leaves HBM, before it is
             released; True when it copied the state to the DRAM tier.

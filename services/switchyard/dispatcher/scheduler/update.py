@@ -7,6 +7,7 @@ token budget when chunked); :func:`apply_output` writes one request's
 the caller must hear (:class:`~switchyard.dispatcher.request.RequestOutput`)
 and, when the request ends, its finished status (:func:`check_stop`). The
 scheduler's ``update_from_output`` uses both for every engine, step or stream.
+:func:`release_kv` frees what a request holds once it leaves the engine's memory.
 """
 
 from __future__ import annotations
@@ -80,6 +81,18 @@ def apply_output(req: Request, seq: SeqOutput, *, prefilled: bool, now: float,
     if kv is not None:
         req.observe_kv_bytes(kv.kv_bytes(req))
     return out, check_stop(req, seq, engine_enforces_max_tokens=engine_enforces_max_tokens)
+
+
+def release_kv(kv: KVCacheManager, req: Request) -> None:
+    """Free ``req``'s KV in the engine (``kv.free``) and what the scheduler counts of it (its computed prefix, its
+    step's allocation); a parked step leaving its parking ends as tool_calls. The one release of a request's KV:
+    the scheduler's at an end or a preemption, the parking's for a parked step (given as its ``release``, so that
+    neither calls back into the other)."""
+    if req.status is RequestStatus.PARKED:
+        req.status = RequestStatus.FINISHED_TOOL_CALLS
+    kv.free(req)
+    req.num_computed_tokens = 0
+    req.step_kv_bytes = 0
 
 
 def compose_batch(kv: KVCacheManager, prefill: list[Request], decode: list[Request],
