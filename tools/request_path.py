@@ -440,6 +440,11 @@ async def stack(index_dir: Path, **overrides: Any) -> AsyncIterator[Any]:
                     yield agent_pb2_grpc.AgentServiceStub(channel)
 
 
+MAX_TOKENS = 32
+"""Each task's ``max_tokens`` by default: room for a react_loop step's whole tool call on the sim engine (at 8 the
+orchestrator refused the task INVALID_ARGUMENT naming ``max_tokens``, its first step cut inside its call)."""
+
+
 async def run_task(stub: Any, task_type: str, max_tokens: int) -> list[Any]:
     from switchyard.api import agent_pb2
 
@@ -450,7 +455,7 @@ async def run_task(stub: Any, task_type: str, max_tokens: int) -> list[Any]:
     return events
 
 
-async def measure(index_dir: Path, task_types: Sequence[str], max_tokens: int = 8, repeat: int = 1,
+async def measure(index_dir: Path, task_types: Sequence[str], max_tokens: int = MAX_TOKENS, repeat: int = 1,
                   **overrides: Any) -> list[PathReport]:
     """Record ``repeat`` tasks of each type (after one warm-up each) on a fresh in-process stack.
 
@@ -540,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/request_path.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--task-types", default="chat,rag_answer,react_loop",
                         help="comma-separated task types, recorded in this order (default: all three)")
-    parser.add_argument("--max-tokens", type=max_tokens, default=8, help="max_tokens of each task (default 8)")
+    parser.add_argument("--max-tokens", type=max_tokens, default=MAX_TOKENS,
+                        help=f"max_tokens of each task (default {MAX_TOKENS})")
     parser.add_argument("--repeat", type=count, default=3, help="recorded tasks of each type (default 3)")
     parser.add_argument("--index-dir", help="an index for retrieval (default: one built from --docs)")
     parser.add_argument("--docs", nargs="*", default=[str(REPO / "README.md")],
