@@ -391,8 +391,8 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """stop, length, tool_calls or cancelled once finished (:class:`RequestStatus`); None otherwise
-        and after an error."""
+        """stop, length, tool_calls, content_filter or cancelled once finished (:class:`RequestStatus`, one of
+        :data:`FINISH_REASONS`); None otherwise and after an error."""
         return RequestStatus.finish_reason(self.status)
 
     @property
