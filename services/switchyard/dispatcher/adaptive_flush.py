@@ -28,7 +28,7 @@ one step is therefore the full ``max_batch_size``, and waiting for it raises
 useful work per step. Waiting longer than ``fill`` buys nothing (the size
 trigger fires first), and waiting longer than ``budget`` would push the P95 of
 wait + service past the budget. With no arrivals yet the window is
-``min_interval``: no latency is spent before there is a rate to justify it.
+``min_interval_ms``: no latency is spent before there is a rate to justify it.
 
 The controller is pure bookkeeping: it never sleeps or reads a clock unless the
 caller omits ``now``, so tests drive it with synthetic arrival streams.
