@@ -149,10 +149,19 @@ def batch_spans(flushed: list[BatchFlush]) -> None:
         ).end()
 
 
+OutputMarks = tuple[float | None, float | None, int]
+"""A request's first and last token times (monotonic seconds, None before) and its output tokens, before a step."""
+
+
+def output_marks(req: Request) -> OutputMarks:
+    """``req``'s :data:`OutputMarks` now: what :func:`record_output` measures a step's output from."""
+    return req.first_token_at, req.last_token_at, len(req.output_tokens)
+
+
 def record_output(req: Request, first: float | None, last: float | None, count: int) -> int:
     """Observe what ``req`` produced since its first and last token times were ``first`` and ``last`` and it
-    had ``count`` output tokens: its TTFT when its first output (a token or a tool call) came, else its
-    inter-token latency when a token came; returns the tokens produced. The one rule of both loops (a step's
+    had ``count`` output tokens (its :func:`output_marks` then): its TTFT when its first output (a token or a
+    tool call) came, else its inter-token latency when a token came; returns the tokens produced. The one rule of both loops (a step's
     requests, an upstream stream's items); a ``prefill_only`` request's one token is no caller's first token."""
     produced = max(0, len(req.output_tokens) - count)
     if req.prefill_only:
@@ -180,6 +189,9 @@ class LoopBase:
         self.config = config
         self.engine = engine
         self.scheduler = scheduler
+        self.time_slice_s = config.scheduler.time_slice_ms / 1000
+        """``scheduler.time_slice_ms`` in seconds: a step loop's decode slice, a stream loop's longest wait between
+        two decisions while the limit is taken."""
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._busy_mark = (time.monotonic(), self._busy_seconds())
@@ -469,7 +481,6 @@ class StepLoop(LoopBase):
 
     def __init__(self, config: SwitchyardConfig, engine: StepEngine, scheduler: SchedulerCore) -> None:
         super().__init__(config, engine, scheduler)
-        self.time_slice_s = config.scheduler.time_slice_ms / 1000
         self.max_step_prefill_tokens = config.scheduler.max_step_prefill_tokens
         self.chunked_prefill = engine.supports_chunked_prefill
         """Newcomers' prompts may be split over steps (``StepEngine.supports_chunked_prefill``)."""
@@ -734,10 +745,10 @@ class StepLoop(LoopBase):
         return result
 
     @staticmethod
-    def _before(reqs: list[Request]) -> list[tuple[float | None, float | None, int]]:
-        return [(s.first_token_at, s.last_token_at, len(s.output_tokens)) for s in reqs]
+    def _before(reqs: list[Request]) -> list[OutputMarks]:
+        return [output_marks(req) for req in reqs]
 
-    def _record(self, reqs: list[Request], before: list[tuple[float | None, float | None, int]]) -> None:
+    def _record(self, reqs: list[Request], before: list[OutputMarks]) -> None:
         """Metrics of a step over ``reqs`` (``before``: each one's token times and count before it): TTFT or
         inter-token latency by priority class, tokens produced (:func:`record_output`), busy time."""
         produced = 0

@@ -44,7 +44,7 @@ import time
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher import metrics
-from switchyard.dispatcher.engine_loop import BUSY_WINDOW_S, LoopBase, record_output
+from switchyard.dispatcher.engine_loop import BUSY_WINDOW_S, LoopBase, output_marks, record_output
 from switchyard.dispatcher.engines.base import (
     Reasoning,
     SeqOutput,
@@ -89,7 +89,6 @@ class StreamLoop(LoopBase):
         self.capacity = scheduler.capacity
         self.slots: StreamSlots = scheduler.capacity.slots
         self.max_prefilling = config.queues.inference.max_batches_in_prefill
-        self.time_slice_s = config.scheduler.time_slice_ms / 1000
         self._prefilling: dict[int, set[int]] = {}
         """Admission wave -> the ``seq_id`` of each member without a first token yet (not the caller's
         ``request_id``, which two requests of one wave may share)."""
@@ -206,7 +205,7 @@ class StreamLoop(LoopBase):
                     if first and isinstance(item, (str, Reasoning, ToolCall)):  # its prefill is done
                         first = False
                         self._prefilled(wave, req)
-                    before = (req.first_token_at, req.last_token_at, len(req.output_tokens))
+                    before = output_marks(req)
                     seq = stream_item_output(item)
                     ended = seq.eos or seq.length_capped
                     outputs = scheduler.update_from_output(batch, StepResult({req.seq_id: seq}), now)
