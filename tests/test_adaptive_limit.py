@@ -36,6 +36,7 @@ from switchyard_harness.testing.limit_drive import (
     make_limit,
     noisy,
 )
+from switchyard_harness.testing.capacity import SetLimit
 from switchyard_harness.testing.scheduling import accept, publish
 
 pytestmark = pytest.mark.no_gpu
@@ -529,19 +530,6 @@ def test_a_core_request_behind_a_held_back_batch_head_takes_a_reserved_slot(poli
     assert REGISTRY.get_sample_value("switchyard_admissions_refused_total", {"reason": "upstream_core_reserve"}) >= 1
 
 
-class _SetLimit:
-    """A limit the test sets (what an endpoint's limit is after it came down): (limit, CORE's reserve)."""
-
-    def __init__(self, limit: float, reserve: int) -> None:
-        self.limit, self.reserve = limit, reserve
-
-    def admission_limit(self) -> tuple[float, int]:
-        return self.limit, self.reserve
-
-    def note_refused(self) -> None:
-        pass
-
-
 @pytest.mark.parametrize("policy", ["fifo", "priority"])
 def test_a_core_request_behind_a_batch_head_takes_its_reserved_slot_after_the_limit_came_down(policy: str) -> None:
     """The reserved slots are CORE's even when the limit came down below the lower-class streams in flight
@@ -550,7 +538,7 @@ def test_a_core_request_behind_a_batch_head_takes_its_reserved_slot_after_the_li
     refused ``upstream_concurrency``, a reason that does not depend on the class, and the CORE request waited
     for the BATCH streams to end."""
     config = SwitchyardConfig().with_overrides(**{"dispatcher.engine": "openai"})
-    limit = _SetLimit(8.0, 2)
+    limit = SetLimit(8.0, 2)
     slots = StreamSlots(limit)
     scheduler = make_scheduler(config, None, policy=policy, capacity=ConcurrencyCapacity(slots))
     scheduler.preemption_enabled = False

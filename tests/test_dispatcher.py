@@ -751,19 +751,6 @@ class GatedEchoEngine(EchoStreamEngine):
             yield item
 
 
-class _SetLimit:
-    """An upstream limit the test sets, as an endpoint's after it came down: (limit, CORE's reserved slots)."""
-
-    def __init__(self, limit: float, reserve: int) -> None:
-        self.limit, self.reserve = limit, reserve
-
-    def admission_limit(self) -> tuple[float, int]:
-        return self.limit, self.reserve
-
-    def note_refused(self) -> None:
-        pass
-
-
 async def test_a_core_arrival_behind_a_batch_head_wakes_the_stream_loop_when_only_its_reserve_is_left() -> None:
     """The limit came down below the BATCH streams in flight, CORE's reserved slot free: a CORE request that
     arrives behind waiting BATCH work (fifo) starts at the decision its arrival wakes, under the one admission
@@ -772,10 +759,11 @@ async def test_a_core_arrival_behind_a_batch_head_wakes_the_stream_loop_when_onl
     from switchyard.common.priority import PriorityClass
     from switchyard.dispatcher.request import Request
     from switchyard.dispatcher.scheduler.capacity import StreamSlots
+    from switchyard_harness.testing.capacity import SetLimit
 
     release = asyncio.Event()
     engine = GatedEchoEngine(release, lambda req: req.priority is PriorityClass.BATCH)
-    limit = _SetLimit(8.0, 2)
+    limit = SetLimit(8.0, 2)
     engine.stream_slots = StreamSlots(limit)
     config = make_config(**{"scheduler.policy": "fifo", "scheduler.time_slice_ms": 10_000,
                             "queues.inference.max_batches_in_prefill": 8})
