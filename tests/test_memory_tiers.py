@@ -132,9 +132,18 @@ async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomp
     core = request("swap-c", CORE, arrival=0.1, prompt_tokens=20, max_tokens=3)
     accept(sched, [core], now=0.1)
     restored_before = metric("switchyard_kv_restored_tokens_total")
+    publish(sched)
+    evicted, demoted = metric("switchyard_tier_evictions_total", tier="hbm"), metric("switchyard_tier_demotions_total", tier="hbm")
+    counted = sched.counters.hbm_evictions
     out = sched.schedule(now=0.2)
     assert out.preempted == [batch] and batch.swap_key == sched.tiers.request_key(batch) and batch.swap_tokens == held
     assert batch.num_computed_tokens == 0  # gone from HBM
+    # one eviction from HBM, counted by the scheduler (its one counter of state that left HBM, moved or dropped),
+    # once on the series; the move down is the tiers' demotion
+    assert sched.counters.hbm_evictions == counted + 1
+    publish(sched)
+    assert metric("switchyard_tier_evictions_total", tier="hbm") == evicted + 1
+    assert metric("switchyard_tier_demotions_total", tier="hbm") == demoted + 1
     await run_to_end(sched, engine, core, now=0.3)
     # the copy is in Redis, as a hash with its metadata and a TTL
     await sched.tiers._writes[sched.tiers.request_key(batch)]

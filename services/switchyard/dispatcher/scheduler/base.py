@@ -135,7 +135,8 @@ class SchedulerCounters:
 
     Plain counts: parked agents whose state left HBM at TTL expiry (``tool_wait_expired``) or to make
     room (``parked_evicted``); the HBM tier's lookups found (``hbm_hits``) and not found
-    (``hbm_misses``), KV state dropped or moved out of it (``hbm_evictions``) and its scans
+    (``hbm_misses``), KV state dropped or moved out of it (``hbm_evictions``: the one count of both; the tiers
+    count the move down as a demotion) and its scans
     (``hbm_scans``; ``switchyard_tier_*_total{tier="hbm"}``); requests whose KV would not fit even after
     eviction, refused at intake as never fitting or held at admission (``kv_oom_avoided``), real device allocation failures (``kv_oom``), KV
     block-table compactions and the bytes they gave back (``defragmentations``,

@@ -381,6 +381,7 @@ class KvMemory:
         if not self.tiers.swap_out(req, key, tokens):
             return False
         req.swap_key, req.swap_tokens = key, tokens
+        self.counters.hbm_evictions += 1  # moved out (a state not copied is counted where it is dropped)
         return True
 
     def _copy_decided(self, parked: Request) -> bool:

@@ -165,8 +165,7 @@ class MemoryTiers:
         self._writes[key] = asyncio.get_running_loop().create_task(self.store.put(
             key, payload, tokens=tokens, nbytes=nbytes, priority=req.priority.label, hits=req.kv_hits,
             cost_us=cost_us))
-        metrics.TIER_EVICTIONS.labels("hbm").inc()
-        metrics.TIER_DEMOTIONS.labels("hbm").inc()
+        metrics.TIER_DEMOTIONS.labels("hbm").inc()  # its eviction from HBM is the scheduler's count (hbm_evictions)
         return True
 
     async def restore(self, req: Request) -> int:
