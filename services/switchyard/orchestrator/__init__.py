@@ -17,6 +17,7 @@ Modules, in the order a task meets them (each module's docstring says what it ow
   program, and the deadline rule it is budgeted by.
 - :mod:`.clients`: the retrieval and dispatcher clients; :mod:`.generate_stream`: many model calls over one
   GenerateStream per dispatcher channel; :mod:`.replicas`: which dispatcher replica an agent's call goes to.
+- :mod:`.addresses`: what a caller reads of an error leaving either face, internal addresses hidden.
 - :mod:`.readiness`: SERVING only while the services a task needs answer; :mod:`.metrics`: its Prometheus
   metrics.
 """
