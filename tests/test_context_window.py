@@ -40,6 +40,8 @@ VLLM_MODELS = {  # vLLM 0.x GET /v1/models (ModelCard), as served
     ({"data": [{"id": "/m", "owned_by": "local", "status": {"value": "loaded"}}]}, "/m", 0),  # transformers serve
     ({"data": [{"id": "gpt-4o-mini", "owned_by": "system"}]}, "gpt-4o-mini", 0),  # the OpenAI API
     ({"data": [{"id": "m", "max_model_len": True}]}, "m", 0),  # not a count
+    ({"data": [{"id": "m", "max_model_len": 32768.0}]}, "m", 32768),  # a serializer's float: the same number
+    ({"data": [{"id": "m", "max_model_len": 4096.5}]}, "m", 0),  # no whole number
     ({"data": [{"id": "m", "max_model_len": 8}]}, "m", 0),  # below any usable window
     ({"data": [{"id": "m", "max_model_len": 2**32}]}, "m", 0),  # past int32 (it took the whole stack down)
     ({"data": "nope"}, "m", 0),

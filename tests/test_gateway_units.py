@@ -291,6 +291,51 @@ def test_a_whole_completion_reads_its_choices_as_a_streams_chunk_does():
     assert n_choices == [Token("zero"), Finished("length", None, "m", "whole_answer")]
 
 
+def test_json_numbers_written_as_floats_are_the_integers_they_hold():
+    """JSON has one number type, and some servers' serializers write every number as a float: a choice's ``index``
+    of ``0.0`` was no index 0 ("none of the 2 stream chunk(s) carried a choice of index 0"), a tool call's of ``0.5``
+    was call 0 and ``true`` call 1, an in-stream error's ``code`` of ``429.0`` was read by its type alone.
+    One reader (untrusted.json_integer) takes an integral float as its integer and refuses the rest by name."""
+    decoder = StreamDecoder("m")
+    fed = [
+        '{"id":"c","object":"chat.completion.chunk","created":1733400000.0,"model":"m",'
+        '"choices":[{"index":0.0,"delta":{"role":"assistant","content":"Hi"},"logprobs":null,"finish_reason":null}]}',
+        '{"id":"c","object":"chat.completion.chunk","created":1733400000.0,"model":"m",'
+        '"choices":[{"index":0.0,"delta":{"tool_calls":[{"index":0.0,"id":"a","type":"function",'
+        '"function":{"name":"f","arguments":"{}"}},{"index":1.0,"id":"b","type":"function",'
+        '"function":{"name":"g","arguments":"{}"}}]},"finish_reason":"tool_calls"}],'
+        '"usage":{"prompt_tokens":5.0,"completion_tokens":3.0,"total_tokens":8.0}}',
+    ]
+    events = [e for data in fed for e in decoder.feed(data)] + decoder.end()
+    assert events == [Token("Hi"), ToolCallOut("a", "f", "{}"), ToolCallOut("b", "g", "{}"),
+                      Finished("tool_calls", Usage(5, 3, 8), "m", "finish_reason")]
+    whole = StreamDecoder("m").whole_answer(
+        '{"object":"chat.completion","created":1733400000.0,"model":"m","choices":[{"index":0.0,'
+        '"message":{"role":"assistant","content":"Hello"},"finish_reason":"stop"}],'
+        '"usage":{"prompt_tokens":4.0,"completion_tokens":1.0,"total_tokens":5.0}}')
+    assert whole == [Token("Hello"), Finished("stop", Usage(4, 1, 5), "m", "whole_answer")]
+    # a count that is no whole number is no count: the dispatcher counts the tokens itself
+    half = StreamDecoder("m")
+    half.feed('{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"stop"}],'
+              '"usage":{"prompt_tokens":5.5,"completion_tokens":1,"total_tokens":6.5}}')
+    assert half.end()[-1].usage is None
+
+
+@pytest.mark.parametrize("index", ["0.5", "true", '"first"', "1e400"])
+def test_a_choice_index_that_is_no_whole_number_is_refused_by_name(index):
+    data = '{"choices":[{"index":%s,"delta":{"content":"x"},"finish_reason":"stop"}]}' % index
+    with pytest.raises(StreamProtocolError, match="stream chunk 1 has a choice whose 'index' is not a whole number"):
+        StreamDecoder("m").feed(data)
+
+
+@pytest.mark.parametrize("index", ["0.5", "true", '"first"'])
+def test_a_tool_call_index_that_is_no_whole_number_is_refused_by_name(index):
+    data = ('{"choices":[{"index":0,"delta":{"tool_calls":[{"index":%s,"id":"a","function":{"name":"f"}}]},'
+            '"finish_reason":null}]}' % index)
+    with pytest.raises(StreamProtocolError, match="tool_calls delta has a non-integer index"):
+        StreamDecoder("m").feed(data)
+
+
 def test_a_finish_reason_ends_a_stream_without_done_and_done_ends_one_without_finish_reason():
     """transformers serve ends with a finish chunk carrying usage and no [DONE]: finished, not cut."""
     no_marker = StreamDecoder("m")
@@ -475,6 +520,7 @@ def test_stream_shapes_seen_in_the_wild_decode(case):
     ({"message": "slow down", "type": "rate_limit_exceeded"}, "UpstreamRateLimited",
      grpc.StatusCode.RESOURCE_EXHAUSTED),
     ({"message": "slow down", "code": 429}, "UpstreamRateLimited", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ({"message": "slow down", "code": 429.0}, "UpstreamRateLimited", grpc.StatusCode.RESOURCE_EXHAUSTED),  # a float
     ({"message": "overloaded", "type": "server_error", "code": None}, "UpstreamStreamError",
      grpc.StatusCode.UNAVAILABLE),
     ({"message": "oops", "code": 500}, "UpstreamStreamError", grpc.StatusCode.UNAVAILABLE),

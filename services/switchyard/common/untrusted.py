@@ -32,6 +32,30 @@ def loads(text: str | bytes) -> Any:
         raise ValueError("JSON nested too deeply to read") from None
 
 
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
+
+
+def json_integer(value: Any, *, digits: bool = False) -> int | None:
+    """The integer a JSON ``value`` holds, or None when it holds none.
+
+    JSON has one number type: ``0`` and ``0.0`` are the same number, and some servers' serializers write every
+    number as a float (``"index": 0.0``, ``"prompt_tokens": 12.0``), so an integral float is its integer. None for a
+    non-integral or non-finite float, a boolean (``true`` is no 1), null, and anything else; a string of decimal
+    digits (``"0"``, some proxies quote numbers) only when ``digits``. The one reader of "an integer from an
+    upstream's JSON": a choice's and a tool call's ``index``, ``usage`` counts, an in-stream error's ``code``, a
+    model's ``max_model_len``.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    if digits and isinstance(value, str) and _DECIMAL.fullmatch(value):
+        return int(value)
+    return None
+
+
 class _Pairs(list):  # type: ignore[type-arg]
     """A JSON object's (key, value) pairs, in the order read (``json.loads``'s ``object_pairs_hook``)."""
 

@@ -58,6 +58,10 @@ Shapes seen in the wild that are decoded too (each is a test case):
 - ``delta.content`` as a list of typed parts (Mistral's Magistral models: ``thinking`` parts, then ``text``
   parts; :func:`content_parts`): the text parts are answer text, the thinking parts :class:`Reasoning`
   (read as a string only, they were dropped: an empty answer finishing ``stop``);
+- numbers written as floats (``"index": 0.0``, ``"prompt_tokens": 12.0``: JSON has one number type, and some
+  serializers write every number so): an integral float is its integer, in a choice's and a tool call's ``index``,
+  ``usage`` and an error's ``code`` (:func:`switchyard.common.untrusted.json_integer`; read as no integer, an index
+  of ``0.0`` was no answer); an index that is no whole number (``0.5``, ``true``) is an error naming it;
 - a character outside the BMP sent as a JSON surrogate pair split across two
   chunks (``"\\ud83d"`` then ``"\\ude00"``): the high half waits for the low one;
   a lone half becomes U+FFFD rather than failing the stream.
@@ -165,13 +169,17 @@ class ToolCallAssembler:
 
 
 def _index(delta: dict[str, Any]) -> int | None:
+    """A tool-call delta's ``index`` (:func:`untrusted.json_integer`: ``1.0`` is 1, ``"1"`` too); None when it
+    carries none. Raises StreamProtocolError when it is no integer (``0.5``, ``true``, ``"first"``): read with
+    ``int()``, 0.5 was call 0 and true call 1."""
     raw = delta.get("index")
     if raw is None:
         return None
-    try:
-        return int(raw)
-    except (TypeError, ValueError):
-        raise StreamProtocolError(f"tool_calls delta has a non-integer index: received {snippet(json.dumps(delta))}")
+    index = untrusted.json_integer(raw, digits=True)
+    if index is None:
+        raise StreamProtocolError(f"tool_calls delta has a non-integer index (expected a whole number): received "
+                                  f"{snippet(json.dumps(delta))}")
+    return index
 
 
 MAX_USAGE_TOKENS = 2**31 - 1
@@ -180,13 +188,13 @@ MAX_USAGE_TOKENS = 2**31 - 1
 
 def _count(raw: dict[str, Any], key: str) -> int | None:
     """``raw[key]`` as a token count: absent or null is 0; None when it is no count (not an integer, negative,
-    or past :data:`MAX_USAGE_TOKENS`)."""
+    or past :data:`MAX_USAGE_TOKENS`). ``12.0`` is 12 (:func:`untrusted.json_integer`); NaN, the infinities
+    (JSON parsers here accept them), ``12.5``, ``true`` and ``"12"`` are no count."""
     value = raw.get(key)
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_USAGE_TOKENS:
-        return None  # NaN and the infinities (JSON parsers here accept them) fail the range test too
-    return int(value) if value == int(value) else None
+    count = untrusted.json_integer(value)
+    return count if count is not None and 0 <= count <= MAX_USAGE_TOKENS else None
 
 
 def _usage(raw: Any) -> Usage | None:
@@ -302,25 +310,19 @@ def stream_error_status(payload: dict[str, Any]) -> int | None:
     ``code: null``)."""
     err = payload.get("error")
     code, kind = (err.get("code"), err.get("type")) if isinstance(err, dict) else (None, payload.get("error_type"))
-    if isinstance(code, str) and code.isdigit():
-        code = int(code)
-    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
-        return code
+    status = untrusted.json_integer(code, digits=True)  # 429, 429.0 and "429" alike; true is none
+    if status is not None and 400 <= status <= 599:
+        return status
     return _ERROR_TYPE_STATUS.get(kind.lower()) if isinstance(kind, str) else None
 
 
 def _index_of(choice: dict[str, Any]) -> int | None:
-    """A choice's ``index``: 0 when it carries none (a server that sends one choice may leave it out), None when it
-    is no integer."""
+    """A choice's ``index``: 0 when it carries none (a server that sends one choice may leave it out); an integral
+    float is its integer (``0.0`` is 0: JSON has one number type, and some servers' serializers write floats) and a
+    string of digits too (``"0"``: some proxies quote it), :func:`untrusted.json_integer`; None when it is no
+    integer (``0.5``, ``true``, ``"first"``)."""
     raw = choice.get("index", 0)
-    if raw is None:
-        return 0
-    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        return None
+    return 0 if raw is None else untrusted.json_integer(raw, digits=True)
 
 
 def answer_choice(choices: list[Any], where: str, data: str) -> dict[str, Any] | None:
@@ -334,12 +336,19 @@ def answer_choice(choices: list[Any], where: str, data: str) -> dict[str, Any] |
     client read it here.
 
     Raises:
-        StreamProtocolError: a choice is not an object ("error reading choices").
+        StreamProtocolError: a choice is not an object, or its ``index`` is no integer (:func:`_index_of`; read as
+            another choice, an answer whose index was ``0.5`` or ``true`` failed as "no choice of index 0")
+            ("error reading choices").
     """
     for choice in choices:
         if not isinstance(choice, dict):
             raise StreamProtocolError(
                 f"error reading choices: {where} has a choice that is not an object: received {snippet(data)}"
+            )
+        if _index_of(choice) is None:
+            raise StreamProtocolError(
+                f"error reading choices: {where} has a choice whose 'index' is not a whole number "
+                f"(received {snippet(json.dumps(choice.get('index')))}): received {snippet(data)}"
             )
     return next((c for c in choices if _index_of(c) == 0), None)
 

@@ -35,6 +35,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from switchyard.common import untrusted
+
 @dataclass(frozen=True)
 class ServerFlavour:
     """What a model server does with a request priority.
@@ -138,9 +140,8 @@ def reported_context_window(models_body: Any, model: str) -> int:
     data = models_body.get("data") if isinstance(models_body, dict) else None
     for item in data or []:
         if isinstance(item, dict) and item.get("id") == model:
-            value = item.get("max_model_len")
-            usable = isinstance(value, int) and not isinstance(value, bool) and 16 <= value <= MAX_REPORTED_WINDOW
-            return value if usable else 0
+            value = untrusted.json_integer(item.get("max_model_len"))  # 4096.0 is 4096: JSON has one number type
+            return value if value is not None and 16 <= value <= MAX_REPORTED_WINDOW else 0
     return 0
 
 
