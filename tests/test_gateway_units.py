@@ -336,6 +336,43 @@ def test_a_tool_call_index_that_is_no_whole_number_is_refused_by_name(index):
         StreamDecoder("m").feed(data)
 
 
+N_CHOICES_STREAM = [
+    '{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"Hello"},'
+    '"finish_reason":null},{"index":1,"delta":{"content":"Other"},"finish_reason":null}]}',
+    '{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":1,"delta":{"content":" words here"},'
+    '"finish_reason":"stop"}]}',
+    '{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":" there"},'
+    '"finish_reason":"stop"}]}',
+    '{"id":"c","object":"chat.completion.chunk","model":"m","choices":[],'
+    '"usage":{"prompt_tokens":12,"completion_tokens":40,"total_tokens":52}}',
+]
+N_CHOICES_WHOLE = (
+    '{"id":"c","object":"chat.completion","model":"m","choices":[{"index":1,"message":{"role":"assistant",'
+    '"content":"Other words here"},"finish_reason":"stop"},{"index":0,"message":{"role":"assistant",'
+    '"content":"Hello there"},"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":40,'
+    '"total_tokens":52}}')
+
+
+def test_an_answer_with_n_choices_counts_its_answers_tokens_toward_throughput_streamed_or_whole():
+    """A whole completion with n choices counted the server's usage (every choice's tokens) toward the endpoint's
+    throughput, where the same answer streamed counts its answer's events: one count of both
+    (StreamDecoder.answer_tokens). A whole completion of the one choice asked still counts the server's usage."""
+    streamed = StreamDecoder("m")
+    events = [e for data in N_CHOICES_STREAM for e in streamed.feed(data)]
+    per_event = sum(streamed.answer_tokens([e]) for e in events)
+    assert [e.text for e in events] == ["Hello", " there"] and per_event == 2
+    whole = StreamDecoder("m")
+    answer = whole.whole_answer(N_CHOICES_WHOLE)
+    assert answer[0] == Token("Hello there") and whole.other_choices
+    assert whole.answer_tokens(answer) == per_event  # not the usage's 40
+    one = StreamDecoder("m")
+    answer = one.whole_answer(
+        '{"id":"c","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant",'
+        '"content":"Hello there"},"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":3,'
+        '"total_tokens":15}}')
+    assert one.answer_tokens(answer) == 3  # the server's own count, where it is the answer's alone
+
+
 def test_a_finish_reason_ends_a_stream_without_done_and_done_ends_one_without_finish_reason():
     """transformers serve ends with a finish chunk carrying usage and no [DONE]: finished, not cut."""
     no_marker = StreamDecoder("m")

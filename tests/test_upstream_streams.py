@@ -222,6 +222,42 @@ async def test_a_whole_completion_answering_a_stream_request_is_the_answer_not_a
     assert ending_count("whole_answer") == before + 1
 
 
+N_CHOICES_STREAM = (
+    b'data: {"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"Hello"},'
+    b'"finish_reason":null},{"index":1,"delta":{"content":"Other"},"finish_reason":null}]}\n\n'
+    b'data: {"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":1,"delta":{"content":'
+    b'" words here"},"finish_reason":"stop"}]}\n\n'
+    b'data: {"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":'
+    b'" there"},"finish_reason":"stop"}]}\n\n'
+    b'data: {"id":"c","object":"chat.completion.chunk","model":"m","choices":[],'
+    b'"usage":{"prompt_tokens":12,"completion_tokens":40,"total_tokens":52}}\n\ndata: [DONE]\n\n')
+N_CHOICES_WHOLE = (
+    b'{"id":"c","object":"chat.completion","model":"m","choices":[{"index":1,"message":{"role":"assistant",'
+    b'"content":"Other words here"},"finish_reason":"stop"},{"index":0,"message":{"role":"assistant",'
+    b'"content":"Hello there"},"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":40,'
+    b'"total_tokens":52}}')
+
+
+@pytest.mark.parametrize(("content_type", "body"), [("text/event-stream", N_CHOICES_STREAM),
+                                                    ("application/json", N_CHOICES_WHOLE)], ids=["streamed", "whole"])
+async def test_an_answer_with_n_choices_counts_the_answers_tokens_toward_the_endpoints_throughput(
+        clean_proxy_env, content_type, body):
+    """A server that answers with n choices (a proxy asked for them) and ignores ``stream``: its whole completion
+    counted the usage's 40 tokens of every choice toward the endpoint's throughput, where the same answer streamed
+    counts its answer's 2 events. Both now count the answer the request asked for."""
+    recorded = Recorded("n_choices", {"status": "HTTP/1.1 200 OK", "content-type": content_type,
+                                      "framing": "close"}, body)
+    window = {"window_s": 60.0, "memory_s": 600.0}  # one window holds the whole answer's count
+    async with replay_server(recorded) as (base, _):
+        async with GatewayClient(gateway_config(base, fallback_model="", concurrency=window)) as client:
+            events = [e async for e in client.stream_chat(ask())]
+            limit = next(iter(client.pool.endpoints.values())).limit
+            counted = limit._tokens
+    assert "".join(e.text for e in events if isinstance(e, Token)) == "Hello there"
+    assert events[-1].usage.completion_tokens == 40  # the server's usage, as it reported it
+    assert counted == 2
+
+
 @pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
 async def test_a_cookie_the_server_sets_is_sent_back_on_the_next_call(clean_proxy_env, transport):
     """Both transports keep the cookies an endpoint sets (a hosted API's load balancer) and send them on its next

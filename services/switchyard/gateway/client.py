@@ -97,7 +97,7 @@ from switchyard.gateway.redact import redact, safe_url
 from switchyard.gateway.resilience import with_fallback
 from switchyard.gateway.sse import iter_events, opening, opens_as_events
 from switchyard.gateway.transport import UpstreamTransport
-from switchyard.gateway.events import ChatRequest, Finished, Reasoning, StreamEvent, estimated_tokens
+from switchyard.gateway.events import ChatRequest, Finished, Reasoning, StreamEvent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -535,7 +535,7 @@ class GatewayClient:
                     sent += not isinstance(event, Finished)
                     thought += isinstance(event, Reasoning)
                     finished = finished or isinstance(event, Finished)
-                    if not opened.counted and (tokens := estimated_tokens(event)):  # the server's work too
+                    if not opened.counted and (tokens := opened.decoder.answer_tokens([event])):  # its work too
                         self.pool.on_tokens(opened.endpoint, tokens)
                     yield event
                 if not opened.ended:
@@ -545,7 +545,7 @@ class GatewayClient:
                             sent += not isinstance(event, Finished)
                             thought += isinstance(event, Reasoning)
                             finished = finished or isinstance(event, Finished)
-                            if tokens := estimated_tokens(event):
+                            if tokens := opened.decoder.answer_tokens([event]):
                                 self.pool.on_tokens(opened.endpoint, tokens)
                             yield event
                         if opened.decoder.done:
@@ -966,10 +966,7 @@ class GatewayClient:
                     raise answered
                 if (whole := decoder.whole_answer(text)) is not None:
                     UPSTREAM_STREAM_ENDINGS.labels(decoder.ending).inc()
-                    usage = decoder.usage
-                    self.pool.on_whole_answer(endpoint, usage.completion_tokens
-                                              if usage and usage.completion_tokens
-                                              else sum(estimated_tokens(e) for e in whole))
+                    self.pool.on_whole_answer(endpoint, decoder.answer_tokens(whole))
                     return _OpenStream(response, _no_events(), decoder, whole, True, endpoint, counted=True)
                 if not labelled:
                     decoder.failed = True  # a body that cannot be read: counted as the stream's error ending

@@ -72,14 +72,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from switchyard.common import untrusted
 from switchyard.gateway.classify import error_for_status
 from switchyard.gateway.errors import GatewayError, NoEndMarker, StreamProtocolError, UpstreamStreamError, snippet
 from switchyard.gateway.keys import NO_KEY, ApiKey
 from switchyard.gateway.sse import DONE, ERROR_EVENT
-from switchyard.gateway.events import Finished, Reasoning, StreamEvent, Token, ToolCallOut, Usage
+from switchyard.gateway.events import Finished, Reasoning, StreamEvent, Token, ToolCallOut, Usage, estimated_tokens
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -423,6 +423,9 @@ class StreamDecoder:
         """The HTTP status that error stands for (:func:`stream_error_status`; None where it names none)."""
         self.whole = False
         """The answer came as one chat completion, not a stream (:meth:`whole_answer`)."""
+        self.other_choices = False
+        """A choice other than the answer's came (``n`` choices, which a proxy may ask for): the server's ``usage``
+        counts its tokens too, so it is not the answer's count (:meth:`answer_tokens`)."""
         self.stray = ""
         """What a body that carried no event held instead (lines that are no field of the SSE format: a whole
         JSON error, a proxy's HTML page), named by :meth:`end`; "" when none."""
@@ -474,6 +477,7 @@ class StreamDecoder:
                 f"received {snippet(data)}"
             )
         choice = answer_choice(choices, f"stream chunk {self.chunks}", data)
+        self.other_choices = self.other_choices or any(c is not choice for c in choices)
         if choice is None:
             return []
         events: list[StreamEvent] = []
@@ -555,11 +559,25 @@ class StreamDecoder:
                 return None
             self.whole = True
             self.last = body
+            self.other_choices = len(choices) > 1
             chunk = {**payload, "choices": [{**choice, "delta": choice["message"]}]}
             return [*self._chunk(chunk, body), *self.end()]
         except GatewayError:
             self.failed = True
             raise
+
+    def answer_tokens(self, events: Iterable[StreamEvent]) -> int:
+        """The completion tokens the answer's ``events`` count toward the endpoint's throughput (its limit's
+        tokens per second): the estimate of each (:func:`~switchyard.gateway.events.estimated_tokens`), as a
+        stream's events count as they come; for a whole completion (:attr:`whole`), the server's ``usage`` count
+        where it is the answer's alone (no other choice came, :attr:`other_choices`) and not 0. The one count of
+        both: a stream with ``n`` choices counts its answer's events (the other choices' chunks carry none), and
+        so does a whole completion with ``n`` choices; counted by its usage, every choice's tokens went to the
+        endpoint's throughput, ``n`` times what the same answer streamed counted."""
+        usage = self.usage
+        if self.whole and not self.other_choices and usage is not None and usage.completion_tokens:
+            return usage.completion_tokens
+        return sum(estimated_tokens(e) for e in events)
 
     def answered_error(self, body: str, headers: Mapping[str, str] | None = None) -> GatewayError | None:
         """The error a whole non-SSE ``body`` answering a stream request carries, classified as one inside the
