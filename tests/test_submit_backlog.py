@@ -728,3 +728,66 @@ async def test_a_submitted_task_refused_while_run_task_calls_fill_the_queue_runs
         assert (await holder)[-1].HasField("final")
         done = await final_state(stub, "beside")
     assert (done.state, done.error, done.result.output) == (agent_pb2.SUCCEEDED, "", "The answer.")
+
+
+def backlog_waits(stat: str = "count") -> dict[str, float]:
+    """``switchyard_queue_wait_seconds_<stat>{queue="submitted"}`` by outcome (None where a series is missing)."""
+    return {outcome: REGISTRY.get_sample_value(f"switchyard_queue_wait_seconds_{stat}",
+                                               {"queue": "submitted", "outcome": outcome})
+            for outcome in ("admitted", "expired", "cancelled")}
+
+
+def grown(before: dict[str, float]) -> dict[str, float]:
+    return {outcome: value - before[outcome] for outcome, value in backlog_waits().items()}
+
+
+async def test_every_wait_in_the_backlog_is_observed_once_by_how_it_ended(tmp_path):
+    """switchyard_queue_wait_seconds covered the orchestration, retrieval and inference queues; a submitted task's
+    wait in the backlog, often the longest, was observed nowhere. Each wait is observed once as it ends: started
+    (admitted), taken out by CancelTask or a stopping orchestrator (cancelled); each series at 0 from start-up."""
+    assert None not in backlog_waits().values()  # every outcome's series exists before the first task
+    before = backlog_waits()
+    overrides = {"orchestrator.max_running_submitted_tasks": 1, "server.shutdown_grace_s": 0.2}
+    async with backlog_stack(tmp_path / "tasks.sqlite3", **overrides) as (stub, _, down):
+        await submit(stub, "w1", agent_pb2.NORMAL)
+        await until(lambda: len(down.requests) == 1)  # w1 runs: its wait ended admitted
+        for task_id in ("w2", "w3", "w4"):
+            await submit(stub, task_id, agent_pb2.NORMAL)
+        assert grown(before) == {"admitted": 1, "expired": 0, "cancelled": 0}
+        cancelled = await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="w3"))
+        assert "while QUEUED" in cancelled.error and cancelled.timings.queue_wait_s["submitted"] > 0
+        assert grown(before) == {"admitted": 1, "expired": 0, "cancelled": 1}
+        gate, down.gate = down.gate, asyncio.Event()  # w2 waits on the next gate, never opened
+        gate.set()  # w1 ends: w2 starts
+        done = await final_state(stub, "w1")
+        await until(lambda: len(down.requests) == 2)
+        down.gate = asyncio.Event()  # the one the stack's exit opens: w2 runs on until the stop, w4 waits
+        assert done.state == agent_pb2.SUCCEEDED and grown(before)["admitted"] == 2
+        waited = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="w2"))
+        assert waited.state == agent_pb2.RUNNING and waited.timings.queue_wait_s["submitted"] > 0
+    # the stop took w4 out of the backlog unstarted; w2 was running and is no wait
+    assert grown(before) == {"admitted": 2, "expired": 0, "cancelled": 2}
+
+
+async def test_a_task_whose_time_limit_passes_while_it_waits_again_is_observed_expired(tmp_path):
+    """A run refused for want of room sends its task back to the backlog, where it waits against the time limit of
+    its first start: started after that limit passed, its run fails DEADLINE_EXCEEDED at once and its wait is
+    observed expired, not admitted."""
+    overrides = {"orchestrator.max_running_submitted_tasks": 4,
+                 "orchestrator.task_time_limit_s": {"chat": 60.0, "rag_answer": 0.5, "react_loop": 60.0}}
+    before, sums = backlog_waits(), backlog_waits("sum")
+    async with backlog_stack(tmp_path / "tasks.sqlite3", FullQueueDownstream(capacity=1),
+                             **overrides) as (stub, _, down):
+        await submit(stub, "holder", agent_pb2.NORMAL)  # chat: holds the inference queue's one place
+        await until(lambda: down.in_flight == 1)
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="late", payload="How does the with statement work?",
+                                                       task_type="rag_answer", priority=agent_pb2.NORMAL))
+        await until(lambda: any(r.startswith("late:") for r in down.refused) and gauge("queued") == 1)
+        assert grown(before) == {"admitted": 2, "expired": 0, "cancelled": 0}
+        await asyncio.sleep(0.6)  # past its 0.5 s limit, counted from its first start, while it waits again
+        down.gate.set()  # the holder ends and starts it
+        late = await final_state(stub, "late")
+        assert late.state == agent_pb2.FAILED and late.error.startswith("DEADLINE_EXCEEDED"), late.error
+        assert (await final_state(stub, "holder")).state == agent_pb2.SUCCEEDED
+    assert grown(before) == {"admitted": 2, "expired": 1, "cancelled": 0}
+    assert backlog_waits("sum")["expired"] - sums["expired"] >= 0.5  # its second wait, past the limit

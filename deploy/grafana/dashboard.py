@@ -126,7 +126,8 @@ def rows() -> list[tuple[str, list]]:
                   "roofline efficiency {{instance}}")]),
     ]
     queues = [
-        _series("Queue depth", "Items waiting in each queue (orchestration, retrieval, inference).", "short",
+        _series("Queue depth", "Items waiting in each queue (orchestration, retrieval, inference; submitted: the "
+                "SubmitTask tasks an orchestrator holds, queued and running).", "short",
                 [(f"sum by (queue) (switchyard_queue_depth{{{SEL}}})", "{{queue}}")], width=8),
         _series("Queue saturation", "Depth / capacity per queue and instance; SwitchyardQueueSaturated fires "
                 "above 0.8 for 5 minutes.", "percentunit",
@@ -134,7 +135,7 @@ def rows() -> list[tuple[str, list]]:
                 width=8),
         _series("Queue wait", "Time an item waited in each queue, every wait: taken by a worker (or the scheduler), "
                 "expired in the queue (timeout_ms or its deadline) or left by its caller (the outcome label, "
-                "summed).", "s",
+                "summed); submitted: a SubmitTask task's wait in the backlog until it starts.", "s",
                 _quantiles("namespace_queue_le:switchyard_queue_wait_seconds_bucket:rate1m", "queue",
                            "{{queue}} "), width=8),
         _series("Batch size", "Requests per batch flushed from the double buffer: mean and P95.", "short",

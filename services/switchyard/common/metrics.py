@@ -39,8 +39,10 @@ def bounded(value: str, allowed: "Iterable[str]", empty: str = "unknown") -> str
     return value if value in allowed else OTHER
 
 
-# Queue waits span sub-millisecond (idle) to the queue timeouts (seconds).
-WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# Queue waits span sub-millisecond (idle) to the queue timeouts (seconds), and the backlog of submitted tasks'
+# waits to minutes (a task waits there until one of orchestrator.max_running_submitted_tasks ends; above 30 s every
+# wait read as 30 s in a quantile).
+WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 QUEUE_DEPTH = Gauge("switchyard_queue_depth", "Items waiting in a queue.", ["queue"])
 QUEUE_WAIT = Histogram(

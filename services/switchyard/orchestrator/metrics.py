@@ -72,8 +72,9 @@ for _outcome in ("ok", "failed", "cancelled"):
 SUBMITTED_QUEUE = "submitted"
 """The backlog of submitted tasks by its queue name: ``switchyard_queue_rejected_total{queue}`` counts the submits
 its bound (``orchestrator.max_unfinished_submitted_tasks``) refused, ``switchyard_queue_capacity{queue}`` is that
-bound and ``switchyard_queue_depth{queue}`` the tasks it counts (held unfinished: queued and running), and a
-task's wait there is ``Timings.queue_wait_s["submitted"]``."""
+bound and ``switchyard_queue_depth{queue}`` the tasks it counts (held unfinished: queued and running);
+``switchyard_queue_wait_seconds{queue, outcome}`` observes each wait there once, as it ends (submitted.py), and a
+task's waits there are ``Timings.queue_wait_s["submitted"]``."""
 SUBMITTED_TASKS = Gauge(
     "switchyard_submitted_tasks",
     "SubmitTask tasks this orchestrator holds unfinished, by state: queued (in the backlog, waiting for one of "

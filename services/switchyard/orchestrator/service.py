@@ -771,8 +771,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             task = self._new_task(spec, lambda event: None, None, started_at=entry.first_started_at)
             task.trace_id = entry.trace_id
             task.timings = entry.timings  # one Timings: its status shows the task's waits and stages as they come
-            entry.task = task
-            task.add_wait("submitted", t0 - entry.submitted_at)  # this run's wait in the backlog
+            entry.task = task  # this run's wait in the backlog is in its timings already (SubmittedTasks.start_next)
             running = settle(asyncio.create_task(self._record_running(spec.task_id)), expected=lambda e: False)
             executing = True  # _execute counts the task from here
             final = await self._execute(task, entry)

@@ -12,7 +12,11 @@ ones, so a BATCH task's place can grow while it waits.
 
 The registry also holds a finished task whose outcome the store has not taken
 yet (``Submitted.final``), so GetTaskStatus answers it from here meanwhile.
-``switchyard_submitted_tasks{state}`` counts its queued and running tasks.
+``switchyard_submitted_tasks{state}`` counts its queued and running tasks, and
+``switchyard_queue_wait_seconds{queue="submitted", outcome}`` each wait in the backlog, once, by how it ended:
+the task started (admitted), its time limit had passed by then (expired: a task sent back to the backlog by a
+refused run waits against the time limit of its first start), or it left unstarted (cancelled: CancelTask, or
+the orchestrator stopping).
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ import time
 from collections import deque
 
 from switchyard.api import agent_pb2
+from switchyard.common.metrics import QUEUE_WAIT, QUEUE_WAIT_OUTCOMES
 from switchyard.common.priority import PriorityClass
-from switchyard.orchestrator.metrics import SUBMITTED_TASKS
+from switchyard.orchestrator.metrics import SUBMITTED_QUEUE, SUBMITTED_TASKS
 from switchyard.orchestrator.task import Task
 from switchyard.orchestrator.validation import TaskSpec
 
 _QUEUED = SUBMITTED_TASKS.labels("queued")
 _RUNNING = SUBMITTED_TASKS.labels("running")
+_WAITS = {outcome: QUEUE_WAIT.labels(SUBMITTED_QUEUE, outcome) for outcome in QUEUE_WAIT_OUTCOMES}
+"""``switchyard_queue_wait_seconds{queue="submitted"}`` by outcome, each series at 0 from start-up."""
 
 
 class Submitted:
@@ -43,7 +50,7 @@ class Submitted:
     """
 
     __slots__ = ("spec", "trace_id", "context", "priority", "submitted_at", "first_started_at", "state", "timings",
-                 "final", "runner", "started", "cancelled", "task", "waits_again", "refused_alone")
+                 "final", "runner", "started", "cancelled", "task", "waits_again", "refused_alone", "deadline_s")
 
     def __init__(self, spec: TaskSpec, trace_id: str, context: contextvars.Context) -> None:
         self.spec = spec
@@ -54,6 +61,9 @@ class Submitted:
         """When it entered the backlog last (its submit, or a refusal that sent it back)."""
         self.first_started_at: float | None = None
         """When it first left the backlog: its time limit counts from here, over every start."""
+        self.deadline_s: float | None = None
+        """While it waits again in the backlog (a refused run sent it back): its time limit's end, monotonic
+        seconds (its last run's ``Task.deadline_s``); None before its first start (no limit runs yet)."""
         self.state = agent_pb2.QUEUED
         self.timings = agent_pb2.Timings()
         self.final: agent_pb2.TaskStatus | None = None
@@ -148,6 +158,8 @@ class SubmittedTasks:
             if queue:
                 entry = self._tasks[queue.popleft()]
                 entry.state = agent_pb2.RUNNING
+                expired = entry.deadline_s is not None and time.monotonic() >= entry.deadline_s
+                _left_backlog(entry, "expired" if expired else "admitted")  # expired: its run fails at once
                 self.running += 1
                 _QUEUED.dec()
                 _RUNNING.inc()
@@ -164,6 +176,7 @@ class SubmittedTasks:
         """Put a started task whose run was refused for want of room (its runner ended, :meth:`stopped` called)
         back first in its class's backlog: it starts again before any task that waits behind it."""
         assert entry.runner is not None and entry.final is None
+        entry.deadline_s = entry.task.deadline_s if entry.task is not None else None
         entry.runner, entry.started, entry.task = None, False, None
         entry.state = agent_pb2.QUEUED
         entry.submitted_at = time.monotonic()
@@ -179,6 +192,7 @@ class SubmittedTasks:
         self._backlog[entry.priority.value].remove(task_id)
         entry.state = agent_pb2.FAILED
         _QUEUED.dec()
+        _left_backlog(entry, "cancelled")
         return entry
 
     def drain_backlog(self) -> list[Submitted]:
@@ -189,6 +203,7 @@ class SubmittedTasks:
                 entry = self._tasks[queue.popleft()]
                 entry.state = agent_pb2.FAILED
                 _QUEUED.dec()
+                _left_backlog(entry, "cancelled")
                 entries.append(entry)
         return entries
 
@@ -198,8 +213,20 @@ class SubmittedTasks:
         if entry is not None and entry.state == agent_pb2.QUEUED and entry.runner is None:
             self._backlog[entry.priority.value].remove(task_id)
             _QUEUED.dec()
+            _left_backlog(entry, "cancelled")
         self._tasks.pop(task_id, None)
 
     def started(self) -> list[Submitted]:
         """The tasks started whose runner is not done yet."""
         return [e for e in self._tasks.values() if e.runner is not None and not e.runner.done()]
+
+
+def _left_backlog(entry: Submitted, outcome: str) -> None:
+    """``entry`` left the backlog, its wait ended with ``outcome`` (one of ``QUEUE_WAIT_OUTCOMES``): the wait,
+    seconds since it entered (:attr:`Submitted.submitted_at`), is observed in
+    ``switchyard_queue_wait_seconds{queue="submitted"}`` and added to its ``timings.queue_wait_s["submitted"]``
+    (over every wait of a task that waited again). Called once per wait, where the backlog lets it go."""
+    wait = time.monotonic() - entry.submitted_at
+    _WAITS[outcome].observe(wait)
+    waits = entry.timings.queue_wait_s
+    waits[SUBMITTED_QUEUE] = waits.get(SUBMITTED_QUEUE, 0.0) + wait
