@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import grpc
 import pytest
@@ -98,9 +99,12 @@ async def test_a_replica_that_does_not_hold_a_task_cancels_it_through_its_holder
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "never" in unknown.value.details()
 
 
-async def test_a_cancel_the_holder_does_not_carry_out_is_unavailable_naming_it(tmp_path):
+async def test_a_cancel_the_holder_does_not_carry_out_is_unavailable_naming_it(tmp_path, caplog):
     # A holder that stopped reading its cancel requests (a hung loop would, until its lease ran out) but whose lease
-    # is still renewed: its task is no orphan, and the asker's wait (lease_s plus two polls) runs out.
+    # is still renewed: its task is no orphan, and the asker's wait (lease_s plus two polls) runs out. The holder is
+    # named by its instance's tag: its id's host and pid (hostname:pid:tag) are internal, and the caller read them;
+    # the operator's log keeps the whole id.
+    caplog.set_level(logging.INFO, logger="switchyard.orchestrator.service")
     settings = {**store_settings("sqlite", tmp_path, None), "orchestrator.task_store.lease_s": 0.3}
     async with two_replicas(settings) as (holder, other, down, holder_service):
         holder_service._cancels.cancel()
@@ -111,6 +115,11 @@ async def test_a_cancel_the_holder_does_not_carry_out_is_unavailable_naming_it(t
         assert late.value.code() == grpc.StatusCode.UNAVAILABLE
         details = late.value.details()
         assert "slow-1" in details and "asked to cancel it" in details and "task_store.lease_s" in details
+        owner = holder_service.tasks.owner
+        host, pid, tag = owner.split(":")
+        assert f"is held by orchestrator instance {tag}, which was asked to cancel it" in details, details
+        assert f"{host}:{pid}" not in details and f":{pid}:" not in details
+        assert f"held by orchestrator {owner}" in caplog.text  # the operator's view: whole
         assert (await holder.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="slow-1"))).state == agent_pb2.RUNNING
 
 

@@ -35,6 +35,7 @@ from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator.addresses import ERROR_EVENT, HIDDEN, EdgeText
 from switchyard.orchestrator.http_face import HttpFace
 from switchyard.orchestrator.service import OrchestratorService
+from switchyard.orchestrator.taskstore.sqlite_store import SqliteTaskStore
 from switchyard_harness.faults import Fault
 
 MODEL = "acme/served-8b"
@@ -238,6 +239,11 @@ HIDE = [
     ("task t ran out of time after 10 s waiting for the model server at http://model:8000/v1 (model m) for 4 s.",
      "orchestrator", f"task t ran out of time after 10 s waiting for the model server at {HIDDEN} (model m) for 4 s."),
     ("resolving ip-10-0-3-7.ec2.internal failed", "dispatcher", f"resolving {HIDDEN} failed"),
+    # an orchestrator instance's id (hostname:pid:tag): its tag alone, host and pid internal
+    ("task_id: task 't' is held by orchestrator orch-7.ns.svc:4242:3f2a9c1d, which was asked to cancel it",
+     "orchestrator", "task_id: task 't' is held by orchestrator instance 3f2a9c1d, which was asked to cancel it"),
+    ("UNAVAILABLE: orchestrator web_2:17:0badc0de stopped while the task was RUNNING (its lease ran out)", "",
+     "UNAVAILABLE: orchestrator instance 0badc0de stopped while the task was RUNNING (its lease ran out)"),
     # no address: left as it is (a time, a caller's own id, a setting's name and value)
     ("agent_id: agent 'user:12345' submitted no task (job:1234, max_tokens:4096) at 12:30; "
      "orchestrator.task_time_limit_s.chat = 600 (limits.max_tokens 4096, v1.2.3)", "orchestrator",
@@ -273,6 +279,8 @@ def test_the_opt_in_shows_addresses_but_never_a_urls_credentials():
         "upstream 401 from http://10.0.3.7:8000/v1/chat/completions (upstream said 'no')"
     assert edge.text("dispatcher service unavailable at 10.0.0.5:50053", "orchestrator") == \
         "dispatcher service unavailable at 10.0.0.5:50053"
+    held = "task 't' is held by orchestrator orch-7:4242:3f2a9c1d, which was asked to cancel it"
+    assert edge.text(held, "orchestrator") == held
 
 
 def test_a_stored_error_is_answered_hidden_and_kept_whole():
@@ -292,3 +300,31 @@ def test_a_stored_error_is_answered_hidden_and_kept_whole():
                                      "http://10.0.3.7:8000/v1 (model m)")
     assert edge.status(own).error == f"DEADLINE_EXCEEDED: task t ran out of time waiting for the model server at " \
                                      f"{HIDDEN} (model m)"
+
+
+async def test_an_orphaned_tasks_error_names_its_orchestrator_by_tag_not_host_and_pid(tmp_path):
+    """A task whose orchestrator went (its lease gone) is failed naming that orchestrator's instance id,
+    hostname:pid:tag; GetTaskStatus answered it whole on both faces. The caller reads the tag; the record keeps
+    the whole id for the operator."""
+    cfg = load_config("config").with_overrides(**{
+        "dispatcher.engine": "sim", "orchestrator.cpu_executor": "loop",
+        "orchestrator.task_store.sqlite_path": str(tmp_path / "tasks.sqlite3")})
+    gone = SqliteTaskStore(cfg.orchestrator.task_store)  # another orchestrator's store: it records a task, then goes
+    await gone.open()
+    await gone.create("orphan-1", "fp", "")
+    await gone.close()  # its lease released: the task is an orphan
+    host, pid, tag = gone.owner.split(":")
+    orch = OrchestratorService(cfg)
+    face = HttpFace(orch, cfg, port=0)
+    async with running([orch, face], cfg.server) as srv:
+        async with open_channel(f"127.0.0.1:{srv.port}") as channel, \
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
+            status = await agent_pb2_grpc.AgentServiceStub(channel).GetTaskStatus(
+                agent_pb2.GetTaskStatusRequest(task_id="orphan-1"))
+            reply = await client.get("/api/v1/tasks/orphan-1")
+        record = await orch.tasks.get("orphan-1")
+    assert status.state == agent_pb2.FAILED and reply.status_code == 200, reply.text
+    for text in (status.error, reply.json()["error"]):
+        assert text.startswith(f"UNAVAILABLE: orchestrator instance {tag} stopped while the task was QUEUED"), text
+        assert f"{host}:{pid}" not in text and f":{pid}:" not in text, text
+    assert f"orchestrator {gone.owner} stopped" in record.error  # the store keeps it whole

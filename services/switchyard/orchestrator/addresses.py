@@ -4,7 +4,9 @@ An error message names where it happened: the model server's URL (``upstream 503
 http://10.0.3.7:8000/v1/chat/completions (upstream said ...)``), a pool's endpoints (``10.0.3.7:8000``), a
 downstream service's address (``dispatcher service unavailable at 10.0.0.5:50053``), a proxy's, and sometimes
 a URL inside the server's own quoted words. The operator needs them (logs, spans and ``switchyard doctor``
-keep them whole); a tenant of a shared deployment does not, and they tell it the deployment's topology.
+keep them whole); a tenant of a shared deployment does not, and they tell it the deployment's topology. So is
+an orchestrator instance's id (``host:pid:tag``) in the words of a task held elsewhere or orphaned: the caller
+reads ``orchestrator instance <tag>``.
 
 :class:`EdgeText` is the one place such a message is rewritten for its caller: every exit of the edge passes
 through it (the gRPC status details of every AgentService method, a task's stored error as GetTaskStatus and
@@ -29,6 +31,7 @@ from opentelemetry import trace
 from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.grpc_target import dns_name, static_addresses
+from switchyard.orchestrator.taskstore.base import OWNER_NAMED
 
 ERROR_EVENT = "switchyard.error"
 """The span event that keeps a message's whole text (``switchyard.error.message``, and the hop that answered it,
@@ -166,11 +169,14 @@ class EdgeText:
         return shown
 
     def _bare(self, text: str, hop: str) -> str:
-        """``text`` (holding no URL) with its bare addresses hidden: IPs, host:port, private host names; in an
-        error of an upstream hop (:data:`UPSTREAM_HOPS`: no caller's id in it), a one-label ``host:port`` too
-        (a pool's endpoint, ``vllm-a:8000``)."""
+        """``text`` (holding no URL) with its bare addresses hidden: IPs, host:port, private host names, an
+        orchestrator instance id's host and pid (``orchestrator web-7:4242:3f2a9c1d`` reads ``orchestrator instance
+        3f2a9c1d``: the tag, which the operator's logs name beside the whole id); in an error of an upstream hop
+        (:data:`UPSTREAM_HOPS`: no caller's id in it), a one-label ``host:port`` too (a pool's endpoint,
+        ``vllm-a:8000``)."""
         if self.show_addresses:
             return text
+        text = OWNER_NAMED.sub(r"orchestrator instance \g<tag>", text)  # first: its host:pid reads as host:port
         if self._known is not None:
             text = self._known.sub(HIDDEN, text)
         for pattern in (_GRPC_ADDRESS, _IPV6, _IPV4, _HOST_PORT, _CLUSTER_NAME):

@@ -226,10 +226,12 @@ class OrchestratorConfig(_Strict):
     show_addresses_to_callers: bool = Field(
         False,
         description="Leave internal addresses (the model server's URLs, a pool's endpoints, the dispatcher's, "
-        "retrieval's and a proxy's addresses, private host names) in the error messages callers read: gRPC status "
+        "retrieval's and a proxy's addresses, private host names, an orchestrator instance id's host and pid) in the "
+        "error messages callers read: gRPC status "
         "details, error tool results, a task's error in GetTaskStatus and CancelTask, the HTTP face's JSON errors "
         "and SSE error events. False (for a multi-tenant deployment): each is named without its address ('the "
-        "model server', '[address hidden]'); logs, spans and switchyard doctor show them whole either way, and "
+        "model server', '[address hidden]', 'orchestrator instance <tag>'); logs, spans and switchyard doctor show "
+        "them whole either way, and "
         "credentials in a URL (user:password@, its query) are never shown.",
     )
     affinity: "AffinityConfig" = Field(

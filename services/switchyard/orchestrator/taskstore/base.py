@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -41,6 +42,18 @@ from switchyard.common.errors import SwitchyardError
 from switchyard.common.tenant import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
+
+def new_instance_id() -> str:
+    """A new orchestrator instance id, ``host:pid:tag`` (this host's name, this process's id, 8 random hex
+    digits): a record's ``owner``, its lease's key. The host and pid tell the operator where the instance ran; a
+    caller reads the tag alone (:data:`OWNER_NAMED`)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+OWNER_NAMED = re.compile(r"\borchestrator (?P<host>[^\s:'\"]+):(?P<pid>\d+):(?P<tag>[0-9a-f]{8})\b")
+"""An instance id (:func:`new_instance_id`) where a message names the orchestrator that owns a task
+("held by orchestrator ID", "orchestrator ID stopped while ..."): the edge shows its callers the tag alone
+(``switchyard.orchestrator.addresses.EdgeText``), the host and pid being internal."""
 
 UNFINISHED = (agent_pb2.QUEUED, agent_pb2.RUNNING)
 FINISHED = (agent_pb2.SUCCEEDED, agent_pb2.FAILED)
@@ -188,7 +201,7 @@ class TaskStore(ABC):
     def __init__(self, config: TaskStoreConfig, name: str) -> None:
         self.config = config
         self.name = name
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.owner = new_instance_id()
         self.host = host_id()
         self._maintenance: asyncio.Task[None] | None = None
 
