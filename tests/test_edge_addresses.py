@@ -179,7 +179,43 @@ async def test_a_pools_replicas_are_named_without_their_addresses(clean_proxy_en
     assert run.code() == grpc.StatusCode.UNAVAILABLE
     for text in (run.details(), sse["message"]):
         assert address_of(first.base_url) not in text and address_of(second.base_url) not in text, text
-        assert "127.0.0.1" not in text and "upstream 503 from the model server" in text, text
+        assert "127.0.0.1" not in text and "upstream 503 from the model server (replica " in text, text
+
+
+async def test_a_tenant_of_a_pool_reads_which_replica_answered_by_its_place_not_its_address(
+        clean_proxy_env, tmp_path):
+    """Every replica's error read "the model server": a tenant could not tell one failing replica from a pool
+    failing. The replica is named by its place in model_gateway.pool.endpoints (from 1; an endpoint's own name is
+    its host:port, an address), live and in a stored error alike."""
+    said = {"1": "the first replica refused it", "2": "the second replica refused it"}
+    with start_sim(models=[MODEL], faults={"*": Fault(status=400, said=said["1"])}) as first, \
+            start_sim(models=[MODEL], faults={"*": Fault(status=400, said=said["2"])}) as second:
+        cfg = config_for(first.base_url, tmp_path, **{"upstream.pool.endpoints": [first.base_url, second.base_url]})
+        async with stack(cfg) as s:
+            run = await s.run_error()
+            sse = await s.sse_error()
+            stored = await s.stored_errors()
+    assert run.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for text in (run.details(), sse["message"], *stored):
+        assert address_of(first.base_url) not in text and address_of(second.base_url) not in text, text
+        replica = next(n for n, words in said.items() if words in text)  # the replica that answered, by its words
+        assert f"upstream 400 from the model server (replica {replica}) (upstream said '{said[replica]}')" in text, text
+
+
+@pytest.mark.parametrize("message, shown", [
+    ("upstream 503 from http://10.0.3.7:8000/v1/chat/completions (upstream said 'x')",
+     "upstream 503 from the model server (replica 2) (upstream said 'x')"),
+    ("cut (from http://10.0.3.7:8000/v1/chat/completions).", "cut (from the model server (replica 2))."),
+    ("model gateway upstream unavailable (ConnectError)",
+     "model gateway upstream unavailable (ConnectError) (from replica 2)"),
+])
+def test_the_replica_goes_beside_the_endpoints_url_and_the_tenant_reads_it_there(message, shown):
+    from switchyard.gateway.errors import GatewayError
+
+    error = GatewayError(message).from_replica("http://10.0.3.7:8000/v1", "2").from_replica("x", "1")  # once
+    assert error.replica == "2"
+    assert EdgeText(show_addresses=False).text(str(error), "upstream model") == shown
+    assert str(GatewayError(message).from_replica("http://10.0.3.7:8000/v1", "")) == message  # one endpoint
 
 
 def free_port() -> int:

@@ -562,11 +562,12 @@ class GatewayClient:
                 url = opened.endpoint.chat_completions
                 error = self._transport_error(exc, url, call.key)
                 _count_cut(error)
-                ended_with = error.after_tokens(sent)
+                ended_with = error.from_replica(opened.endpoint.url, opened.endpoint.replica).after_tokens(sent)
                 raise ended_with from None
             except GatewayError as exc:
                 _count_error(opened.decoder)
-                ended_with = exc.naming(opened.endpoint.chat_completions).after_tokens(sent)
+                ended_with = (exc.naming(opened.endpoint.chat_completions)
+                              .from_replica(opened.endpoint.url, opened.endpoint.replica).after_tokens(sent))
                 raise ended_with
             finally:
                 try:
@@ -716,6 +717,7 @@ class GatewayClient:
                 result = await endpoint.cooldowns.call(model, lambda: once(endpoint, model),
                                                        wait_for_probes=last_model)
             except GatewayError as exc:
+                exc.from_replica(endpoint.url, endpoint.replica)
                 pool.finished(endpoint, exc)
                 # a NOT_FOUND of a model this endpoint listed read its list again (_status_error): one that no
                 # longer names it (a replica restarted with another model) leaves the call to one that does

@@ -12,6 +12,8 @@ the messages other gateways print for the same causes.
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 from switchyard.common.errors import SwitchyardError
@@ -57,6 +59,33 @@ class GatewayError(SwitchyardError):
                 f"{self.args[0]} (after {count} streamed item(s); not retried and no fallback, "
                 "so no token is repeated)",
             )
+        return self
+
+    replica = ""
+    """The replica of a pool that answered, by its place in ``model_gateway.pool.endpoints`` (from 1): what a
+    tenant may read of which one it was (:meth:`from_replica`); "" for one endpoint or a DNS-resolved pool."""
+
+    def from_replica(self, base_url: str, replica: str) -> "GatewayError":
+        """Say which replica of a pool answered: ``(replica N)`` after the first URL under ``base_url`` (the
+        endpoint's) that the message names, else ``(from replica N)`` at its end; nothing when ``replica`` is ""
+        or it is said already. ``N`` is a place in the operator's list, never an address: where the orchestrator
+        hides the URL from a tenant (``the model server``), the replica stays, so a tenant of a pool can tell a
+        failing replica from the others (each read "the model server" alike)."""
+        if not replica or self.replica:
+            return self
+        self.replica = replica
+        message = self.args[0]
+        found = re.search(re.escape(base_url) + r"[^\s'\"<>`]*", message) if base_url else None
+        if found is None:
+            self.args = (f"{message} (from replica {replica})",)
+            return self
+        start, end = found.span()
+        while end > start and message[end - 1] in ".,;:!?)]}":  # a sentence's or a parenthesis' end, not the URL's
+            url, opener = message[start:end], {")": "(", "]": "[", "}": "{"}.get(message[end - 1])
+            if opener is not None and url.count(opener) >= url.count(message[end - 1]):
+                break  # the URL's own bracket
+            end -= 1
+        self.args = (f"{message[:end]} (replica {replica}){message[end:]}",)
         return self
 
     def naming(self, url: str) -> "GatewayError":

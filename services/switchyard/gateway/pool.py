@@ -137,6 +137,10 @@ class Endpoint:
     known yet)."""
     refused: set[str] = field(default_factory=set)
     """Body fields its server refused (400/422 naming them): never sent to it again."""
+    replica: str = ""
+    """Its place in ``model_gateway.pool.endpoints``, from 1, where that list holds several (its errors say
+    it: :meth:`GatewayError.from_replica`); "" for one endpoint, and in a DNS-resolved pool (its addresses come
+    and go, and no operator named them). Never its address: its ``name`` is one (``host:port``)."""
     stream_label: str | None = None
     """The Content-Type its last event stream came under when that was not ``text/event-stream`` ("": none); None
     while every stream came labelled so (read as events by their body all the same:
@@ -315,6 +319,9 @@ class EndpointPool:
             )
             endpoint = Endpoint(url, name, self._make_http(url),
                                 Cooldowns(endpoint_config, gauges=self.circuit_gauges), limit)
+            listed = self.config.pool.endpoints
+            if len(listed) > 1 and url in listed:
+                endpoint.replica = str(listed.index(url) + 1)
             endpoint.cooldowns.health_check = functools.partial(self.answers, endpoint)
             self.endpoints[name] = endpoint
             if self.pooled:
