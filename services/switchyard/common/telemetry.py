@@ -113,7 +113,8 @@ class StageTracer:
 
 QUEUE_ATTRIBUTE = "switchyard.queue"
 """The span attribute naming the queue a wait was spent in: the ``queue`` label of
-``switchyard_queue_wait_seconds`` (orchestration, retrieval, inference)."""
+``switchyard_queue_wait_seconds`` (orchestration, retrieval, inference; the submitted backlog's waits are observed
+there too, with no span of their own)."""
 
 
 def start_queue_wait_span(

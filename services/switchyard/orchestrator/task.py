@@ -155,7 +155,8 @@ class Task:
                 task_id=self.spec.task_id, queue_position=position, trace_id=self.trace_id)))
 
     def add_wait(self, queue: str, seconds: float) -> None:
-        """Add ``seconds`` waited in ``queue`` (orchestration, retrieval, inference) to the task's timings."""
+        """Add ``seconds`` waited in ``queue`` (orchestration, retrieval, inference) to the task's timings (the
+        submitted backlog's wait is added by the backlog: ``submitted._left_backlog``)."""
         waits = self.timings.queue_wait_s
         waits[queue] = waits.get(queue, 0.0) + seconds
 
