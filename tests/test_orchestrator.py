@@ -12,6 +12,7 @@ import asyncio
 import re
 import contextlib
 import json
+import logging
 import math
 from types import SimpleNamespace
 
@@ -537,6 +538,75 @@ async def test_submit_then_poll_status():
         assert cancel_missing.value.code() == grpc.StatusCode.NOT_FOUND
         for refused in (dup, missing, cancel_missing):  # the one error path: each names its hop
             assert (ORIGIN_KEY, "orchestrator") in tuple(refused.value.trailing_metadata())
+
+
+class _GarbageUpstream(Downstream):
+    """A dispatcher whose model server sent a chunk that is not JSON: INTERNAL, its origin the upstream model."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        await context.abort(grpc.StatusCode.INTERNAL, "upstream sent a stream chunk that is not JSON",
+                            trailing_metadata=((ORIGIN_KEY, "upstream model"),))
+        yield  # an async generator
+
+
+def _failure_lines(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "switchyard.orchestrator.service" and "failed" in r.getMessage()]
+
+
+async def _until_finished(stub, task_id: str) -> agent_pb2.TaskStatus:
+    for _ in range(500):
+        status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id=task_id))
+        if status.state in (agent_pb2.SUCCEEDED, agent_pb2.FAILED):
+            return status
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{task_id} did not finish: {status}")
+
+
+async def test_an_internal_error_of_another_hop_is_one_warning_line_not_this_services_traceback(
+        monkeypatch, caplog):
+    """A model server that sends garbage fails the task INTERNAL with origin `upstream model`: the orchestrator
+    logs one WARNING line naming that hop, on RunTask and on a submitted task alike. It logged an ERROR with the
+    traceback of its own client code on RunTask (an operator read a model server's garbage as a Switchyard
+    bug), and nothing on a submitted task."""
+    monkeypatch.setitem(globals(), "Downstream", _GarbageUpstream)  # what stack() serves
+    caplog.set_level(logging.INFO, "switchyard")
+    async with stack() as (stub, _down):
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await collect(stub, payload="hello", task_type="chat", task_id="garbage-run")
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="garbage-sub", payload="hello", task_type="chat"))
+        status = await _until_finished(stub, "garbage-sub")
+    assert status.error.startswith("INTERNAL: ") and "not JSON" in status.error
+    lines = _failure_lines(caplog)
+    assert [(r.levelno, r.exc_info) for r in lines] == [(logging.WARNING, None)] * 2, \
+        [(r.levelname, r.getMessage()) for r in lines]
+    for record, task_id in zip(lines, ("garbage-run", "garbage-sub")):
+        assert task_id in record.getMessage() and "upstream model" in record.getMessage()
+
+
+async def test_a_fault_of_the_orchestrator_itself_is_logged_with_its_traceback_on_both_paths(monkeypatch, caplog):
+    """A bug in the orchestrator's own code (an exception no hop answered) is INTERNAL and logged at ERROR with
+    its traceback, for a RunTask and for a submitted task: the submitted task's was recorded in its status and
+    logged nowhere."""
+    async def broken(task):
+        raise TypeError("a bug in a workflow")
+
+    monkeypatch.setitem(__import__("switchyard.orchestrator.workflows", fromlist=["WORKFLOWS"]).WORKFLOWS,
+                        "chat", broken)
+    caplog.set_level(logging.INFO, "switchyard")
+    async with stack() as (stub, _down):
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await collect(stub, payload="hello", task_type="chat", task_id="bug-run")
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="bug-sub", payload="hello", task_type="chat"))
+        status = await _until_finished(stub, "bug-sub")
+    assert status.error == "INTERNAL: TypeError: a bug in a workflow"
+    lines = _failure_lines(caplog)
+    assert [r.levelno for r in lines] == [logging.ERROR] * 2, [(r.levelname, r.getMessage()) for r in lines]
+    for record, task_id in zip(lines, ("bug-run", "bug-sub")):
+        assert task_id in record.getMessage() and record.exc_info is not None
+        assert isinstance(record.exc_info[1], TypeError)
 
 
 async def test_a_status_asked_by_task_id_and_another_agents_id_is_not_found():

@@ -200,6 +200,14 @@ def hop_of(exc: BaseException, service: str) -> str:
     return (exc.origin if isinstance(exc, SwitchyardError) else "") or service
 
 
+def own_fault(exc: BaseException, service: str) -> bool:
+    """Whether ``exc`` is a fault of ``service`` itself: INTERNAL, and raised there (no other hop named as its
+    origin, :func:`hop_of`). Such a failure is logged with its traceback where it happened; an INTERNAL that
+    another hop answered (a model server's malformed stream, a dispatcher's engine failure, which the
+    dispatcher logs) is that hop's, and its traceback here would show only this service's client code."""
+    return status_for(exc)[0] == grpc.StatusCode.INTERNAL and hop_of(exc, service) == service
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The (code, details) a servicer should abort with for ``exc``; details at most
     :data:`MAX_DETAILS_CHARS` (:func:`bounded`)."""

@@ -45,7 +45,7 @@ from switchyard.common.dram import DramClient
 from switchyard.common.metrics import QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECTED
 from switchyard.common.metrics import SERVING as SERVING_GAUGE
 from switchyard.common.errors import (InvalidArgument, ServiceUnavailable, SwitchyardError,
-                                     TaskRefusedEarly, abort, status_for)
+                                     TaskRefusedEarly, abort, hop_of, own_fault, status_for)
 from switchyard.common.queues import WorkQueue
 from switchyard.common.server import GRPC_SERVICES, Drains, EndsStreams, HealthOwner, InterceptsCalls
 from switchyard.common.tasks import settle
@@ -74,6 +74,18 @@ from switchyard.orchestrator.validation import TaskSpec, apply_edge_headers, edg
 from switchyard.orchestrator.workflows import WORKFLOWS, check_question_fits
 
 log = logging.getLogger(__name__)
+
+
+def _log_failure(task_id: str, exc: BaseException) -> None:
+    """Log a task's INTERNAL failure, RunTask's and a submitted task's alike: a fault of the orchestrator itself
+    (:func:`~switchyard.common.errors.own_fault`) at ERROR with its traceback; one another hop answered
+    INTERNAL (a model server's malformed stream) as one WARNING line naming that hop, no traceback of the
+    client code that relayed it. Other codes are answers (a refusal, a cut stream, a deadline): not logged."""
+    if own_fault(exc, OrchestratorService.name):
+        log.error("task %s failed", task_id, exc_info=exc)
+    elif status_for(exc)[0] == grpc.StatusCode.INTERNAL:
+        log.warning("task %s failed: INTERNAL from the %s: %s", task_id, hop_of(exc, OrchestratorService.name),
+                    status_for(exc)[1])
 
 
 def _trace_id() -> str:
@@ -623,10 +635,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             if not read:
                 # The caller is gone (its deadline cancelled this handler), maybe just as the task ended with
                 # an error of its own (the same deadline): that outcome has no reader left, so read it here.
-                settle(task, expected=lambda e: status_for(e)[0] != grpc.StatusCode.INTERNAL)
+                settle(task, expected=lambda e: not own_fault(e, self.name))
         if exc is not None:
-            if status_for(exc)[0] == grpc.StatusCode.INTERNAL:
-                log.exception("task %s failed", spec.task_id, exc_info=exc)
+            _log_failure(spec.task_id, exc)
             await self._abort(context, exc)
 
     async def SubmitTask(
@@ -786,6 +797,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             else:
                 code, details = status_for(exc)
                 error = f"{code.name}: {details}"
+                _log_failure(spec.task_id, exc)
             # from its first start, over every run (its waits and stages are in already: the task's own)
             entry.timings.total_s = time.monotonic() - entry.first_started_at
             # what it consumed before it failed (a react_loop cancelled in its third turn used two)
