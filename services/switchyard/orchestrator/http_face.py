@@ -193,6 +193,23 @@ def _path_id(request: web.Request, name: str) -> str:
     return request.match_info[name]
 
 
+_CANNOT_DECODE = "Can not decode content-encoding: "
+"""How aiohttp's decoder words a body it could not decode (``ContentEncodingError``), the coding after it."""
+
+
+def _coding_refused(reason: str, coding: str | None = None) -> str:
+    """The 400's message for a body not in the coding its ``Content-Encoding`` names: the coding and the
+    decoder's ``reason`` (aiohttp's words, whitespace collapsed). ``coding`` None: read from ``reason``, as the
+    parser's error names it (a deflate stream that never ended is ``ContentEncodingError('deflate')``, the
+    coding's name alone, said here in full)."""
+    reason = " ".join(reason.split())
+    if coding is None:
+        coding = reason[len(_CANNOT_DECODE):] if reason.startswith(_CANNOT_DECODE) else reason
+    if reason == coding:
+        reason = f"{_CANNOT_DECODE}{coding} (the body ended before its {coding} stream did)"
+    return f"body: expected data in the coding its Content-Encoding names ({shown(coding)}): {reason}"
+
+
 def _error(code: grpc.StatusCode, message: str, origin: str = "orchestrator", status: int | None = None) -> web.Response:
     status = HTTP_STATUS.get(code, 500) if status is None else status
     headers: dict[str, str] = {}
@@ -510,7 +527,7 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
             # stops at its preface, 'PRI * HTTP/2.0', and its words read as a malformed HTTP/1.1 request (400)
             status, detail = 505, f"{VERSION_EXPECTED} (got HTTP/2.0; gRPC is served on the orchestrator's port)"
         elif isinstance(exc, PayloadEncodingError):  # the parser decodes as it reads: a body not in its coding
-            detail = f"body: expected data in the coding its Content-Encoding names ({exc.message})"
+            detail = _coding_refused(str(exc.message))
         elif isinstance(exc, BadHttpMethod) and _REQUEST_LINE.search(str(exc.message)):
             # RFC 9110 section 15.6.2: a well-formed request line whose method the server does not know
             code, status, detail = (grpc.StatusCode.UNIMPLEMENTED, 501,
@@ -852,9 +869,12 @@ class HttpFace(Drains, HealthOwner):
             # same error again, logged as an unhandled exception with a traceback for every such request.
             if isinstance(request.protocol, _JsonProtocolErrors):
                 request.protocol.close_without_lingering()
-            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "body: expected data in the coding its Content-Encoding "
-                            f"names ({shown(request.headers.get('Content-Encoding', 'identity'))}): {exc}",
-                            "orchestrator") from None
+            # its reason is the decoder's error (the cause): the error's own text is aiohttp's status line form,
+            # '400, message:\n  Can not decode ...', a newline and a status in the answer's message
+            cause = exc.__cause__
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, _coding_refused(
+                cause.message if isinstance(cause, HttpProcessingError) else str(exc),
+                request.headers.get("Content-Encoding", "identity")), "orchestrator") from None
         if raw.startswith(codecs.BOM_UTF8):  # RFC 8259 section 8.1: a parser may ignore a byte order mark
             raw = raw[len(codecs.BOM_UTF8):]
         if len(raw) > PARSE_IN_THREAD_BYTES:  # a body of 140,000 unknown keys took the loop for half a second
