@@ -138,6 +138,9 @@ class StreamingRunTaskUser(_Authorized, HttpUser):
                   "payload": "How does the with statement work?"},
             headers={"X-Priority": priority, "Accept": "text/event-stream"},
         ) as response:
+            if response.status_code == 0:  # no answer (refused, reset, timed out): its error, as a submit's reads
+                response.failure(response.error)
+                return
             if response.status_code != 200:
                 response.failure(f"{response.status_code}: {response.text[:300]}")
                 return

@@ -58,11 +58,14 @@ def backlog_summary(outcomes: dict[str, tuple[str, str]], cut: int, keep: bool, 
     before their answer came: their tasks, if accepted, are not known)."""
     left = [state for state, result in outcomes.values() if result in ("cancelled", "kept")]
     errors = [result for _, result in outcomes.values() if result.startswith("error")]
-    line = (f"backlog {when}: {len(left)} of the {len(outcomes)} tasks {who} submitted had not finished "
-            f"({left.count('queued')} queued, {left.count('running')} running): "
-            + ("kept (--keep-backlog), they run on" if keep else "cancelled (--keep-backlog keeps them)"))
-    if errors:
-        line += f"; {len(errors)} could not be {'read' if keep else 'cancelled'} (first: {errors[0][7:]})"
+    settled = (f"({left.count('queued')} queued, {left.count('running')} running): "
+               + ("kept (--keep-backlog), they run on" if keep else "cancelled (--keep-backlog keeps them)"))
+    if errors:  # their states are not known: not counted among the finished (the orchestrator down at the stop)
+        line = (f"backlog {when}: of the {len(outcomes)} tasks {who} submitted, {len(errors)} could not be "
+                f"{'read' if keep else 'cancelled'} (first: {errors[0][7:]}), so whether they had finished is not "
+                f"known; of the other {len(outcomes) - len(errors)}, {len(left)} had not finished {settled}")
+    else:
+        line = f"backlog {when}: {len(left)} of the {len(outcomes)} tasks {who} submitted had not finished {settled}"
     if cut:
         line += (f"; {cut} submit(s) cut by the stop before their answer: their tasks, if accepted, are not known "
                  "here")

@@ -254,3 +254,14 @@ def test_the_watch_names_a_metrics_address_where_grpc_answers_and_goes_on():
         server.stop(None)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == f"http://127.0.0.1:{port}/metrics: {NOT_HTTP1}", run.stdout + run.stderr
+
+
+def test_a_stream_that_got_no_answer_names_why_not_status_0(tmp_path):
+    """A stack stopped during a run: each RunTask stream's failure read '0: ' (the status of no answer and an
+    empty body), the submits' beside it 'ConnectionRefusedError(111, ...)'."""
+    run, _stats = run_locust("http://127.0.0.1:1", tmp_path, dict(os.environ))
+    with open(tmp_path / "run_failures.csv", newline="") as f:
+        failures = {row["Name"]: row["Error"] for row in csv.DictReader(f)}
+    assert "/api/v1/agent/run (SSE)" in failures and "/api/v1/agent/submit" in failures, failures
+    assert "Connection refused" in failures["/api/v1/agent/run (SSE)"], failures
+    assert not failures["/api/v1/agent/run (SSE)"].startswith("0:"), failures
