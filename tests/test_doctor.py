@@ -597,3 +597,46 @@ def test_a_proxy_refusing_the_key_under_400_is_named_a_key_refusal_with_its_fix(
         code, out = run_doctor(capsys, "--base-url", base_url)
     assert code == 1 and "refuses the key: 400 'No connected db.'" in out, out
     assert f"fix: set {KEY_ENV} to its master key" in out and TEST_KEY not in out
+
+
+async def test_a_base_url_at_switchyards_own_http_face_is_named_so_not_told_to_end_in_v1(clean_proxy_env, monkeypatch,
+                                                                                      capsys):
+    """TGI and llama.cpp's server listen on 8080 by default, as Switchyard's HTTP face does: a base URL of
+    http://127.0.0.1:8080/v1 where the face answered read 'answers 404; fix: ... must be the OpenAI-compatible root
+    ending in /v1', of a URL ending in /v1, in doctor's check and in the probe's (the engine's) error alike."""
+    import asyncio
+
+    from test_http_face import http_stack
+
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    async with http_stack() as (client, _, _down):
+        base = f"{str(client.base_url).rstrip('/')}/v1"
+        code, out = await asyncio.to_thread(run_doctor, capsys, "--base-url", base, "--probe")
+    assert code == 1, out
+    assert "ending in /v1" not in out, out
+    base_line, probe_line = (next(line for line in out.splitlines() if line.startswith(f"FAIL  {check}"))
+                             for check in ("base url", "stream probe"))
+    assert f"{base}/models answers 404: \"path: no route '/v1/models' (see /openapi.json)\"" in base_line, out
+    face = "is Switchyard's own HTTP face (an orchestrator's orchestrator.http.port), not a model server"
+    assert face in out.split(base_line, 1)[1].splitlines()[1], out  # the base url's fix
+    assert face in probe_line, out
+
+
+def test_a_root_ending_in_v1_whose_server_serves_no_openai_api_is_not_told_to_end_in_v1(clean_proxy_env, monkeypatch,
+                                                                                        capsys):
+    """A server that answers 404 to everything under a root ending in /v1 already (not an OpenAI-compatible
+    server, or its API under another root): the fix said to end the root in /v1."""
+
+    class Handler(QuietHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.reply(404, "text/plain", b"404 page not found")
+
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.reply(404, "text/plain", b"404 page not found")
+
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    with serving(Handler) as base_url:
+        code, out = run_doctor(capsys, "--base-url", base_url, "--probe")
+    assert code == 1 and "ending in /v1" not in out, out
+    assert "ends in /v1 already, but the server there serves no OpenAI-compatible API under it" in out, out

@@ -664,7 +664,8 @@ async def test_a_404_for_chat_completions_names_what_the_server_said_and_whether
         err = await stream_error(gateway_config(base, max_retries=0, fallback_model=""), ask("m"))
     assert err.code == grpc.StatusCode.NOT_FOUND
     assert "is listed" not in str(err) and f"{base}/models could not be read either" in str(err), err
-    assert "must be the OpenAI-compatible root ending in /v1" in str(err)
+    # its root ends in /v1 already: it was told to end it in /v1
+    assert "ends in /v1 already, but the server there serves no OpenAI-compatible API under it" in str(err), err
 
 
 @pytest.mark.parametrize("transport", ["aiohttp", "httpx"])

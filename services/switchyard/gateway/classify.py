@@ -319,6 +319,38 @@ def server_prompt_tokens(body: str) -> int | None:
     return None
 
 
+def wrong_root(root: str, body: str, url_source: str) -> str:
+    """What to do about a base URL ``root`` (named in the message before this) under which the server answered 404 (or 405) where an
+    OpenAI-compatible server serves ``/models`` or ``/chat/completions``; ``body``: what it answered,
+    ``url_source``: what set the URL (:func:`url_key`).
+
+    Switchyard's own HTTP face answering (its JSON error, ``origin`` orchestrator) is named as such: TGI and
+    llama.cpp's server listen on 8080 by default, as the face does. A root ending in ``/v1`` already is told
+    the server there serves no OpenAI-compatible API under it; another root, to end in ``/v1``."""
+    example = "e.g. http://127.0.0.1:8000/v1"
+    try:
+        payload = untrusted.loads(body)
+    except ValueError:
+        payload = None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(error, dict) and error.get("origin") == "orchestrator" and "code" in error:
+        return (f"{url_source} is Switchyard's own HTTP face (an orchestrator's orchestrator.http.port), "
+                f"not a model server: set it to the model server's OpenAI-compatible root, {example}")
+    if root.rstrip("/").endswith("/v1"):
+        return (f"{url_source} ends in /v1 already, but the server there serves no OpenAI-compatible API under it: "
+                f"set it to the root the model server gives OpenAI clients ({example}; Ollama's "
+                "http://127.0.0.1:11434/v1), or check that a model server, not another service, listens there")
+    return f"{url_source} must be the OpenAI-compatible root ending in /v1, {example}"
+
+
+def _root_of(url: str) -> str:
+    """The base URL of a call to ``url`` (its ``/chat/completions`` or ``/models`` taken off)."""
+    for tail in ("/chat/completions", "/completions", "/models"):
+        if url.endswith(tail):
+            return url[: -len(tail)]
+    return url
+
+
 def error_for_status(
     status: int | None, body: str, headers: Mapping[str, str], *, url: str, model: str, key: ApiKey,
     in_stream: bool = False, url_source: str = BASE_URL_KEY,
@@ -403,10 +435,7 @@ def error_for_status(
         )
     if status in (404, 405) and not in_stream:  # 405 Method Not Allowed (15.5.6): that URL takes no POST
         said_how = "" if status == 404 else ": the server there takes no POST at this path"
-        return EndpointNotFound(
-            f"{head}{said_how}; {url_source} must be the OpenAI-compatible root ending in /v1, e.g. "
-            "http://127.0.0.1:8000/v1"
-        )
+        return EndpointNotFound(f"{head}{said_how}; {wrong_root(_root_of(url), body, url_source)}")
     if status == 409:  # Conflict (15.5.10): the request met the server's state; gRPC's ABORTED, retried
         return UpstreamConflict(
             f"{head}: the request conflicts with a state of the server (a request id it still holds?); retried "

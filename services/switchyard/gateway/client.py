@@ -67,6 +67,7 @@ from switchyard.gateway.classify import (
     model_key,
     upstream_message,
     url_key,
+    wrong_root,
 )
 from switchyard.gateway.decode import StreamDecoder
 from switchyard.gateway.errors import (
@@ -881,7 +882,7 @@ class GatewayClient:
                         )
                     return EndpointNotFound(
                         f"upstream 404 for {url} (upstream said {said}), and {endpoint.url}/models could not be read "
-                        f"either; {self.url_source} must be the OpenAI-compatible root ending in /v1"
+                        f"either; {wrong_root(endpoint.url, text, self.url_source)}"
                     )
         return error_for_status(status, text, response.headers, url=url, model=model, key=key,
                                 url_source=self.url_source)

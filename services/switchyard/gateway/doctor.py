@@ -59,6 +59,7 @@ from switchyard.gateway.classify import (
     redirected_root,
     upstream_message,
     url_key,
+    wrong_root,
 )
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import (
@@ -191,8 +192,8 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
         ), None, None
     if response.status_code in (404, 405):
         return Check(
-            "base url", False, f"{url} answers {response.status_code}",
-            f"{url_key} must be the OpenAI-compatible root ending in /v1, e.g. http://127.0.0.1:8000/v1",
+            "base url", False, f"{url} answers {response.status_code}: {said}",
+            wrong_root(cfg.base_url, response.text, url_key),
             no_model_list=True,
         ), None, None
     if response.status_code >= 400:
