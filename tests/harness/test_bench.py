@@ -692,3 +692,22 @@ async def test_a_target_that_serves_no_agent_service_is_named_with_the_port_to_u
     assert "UNIMPLEMENTED" in run_err and says in run_err, run_err
     assert "the orchestrator's gRPC port is orchestrator.port (50051 here); --addr takes that port" in run_err
     assert says in bench_err and "the target takes that port" in bench_err, bench_err
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_a_ghz_flag_bench_does_not_take_is_refused_by_name_not_as_the_target_unrecognized(command, capsys):
+    """`ghz ... --connections 2 host:port` run as `switchyard bench run` read 'error: unrecognized arguments:
+    --connections 127.0.0.1:50051': argparse took the flag's value for the target and named the target as
+    unrecognized, and nothing said the flag is ghz's and what to do about it."""
+    for argv, flag in [(["--connections", "2"], "--connections"), (["--cpus=1"], "--cpus"), (["-x", "5s"], "-x"),
+                       (["--skipFirst", "10"], "--skipFirst"), (["--async"], "--async"),
+                       (["-e"], "-e"), (["--count-errors"], "--count-errors")]:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([command, "-n", "4", "-c", "1", *argv, "127.0.0.1:1"])
+        assert exit_.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert f"switchyard bench: {flag}: a ghz flag that switchyard bench {command} does not take; " in err, err
+        assert "127.0.0.1:1" not in err, err  # the target is not named as unrecognized
+    with pytest.raises(SystemExit) as exit_:  # a flag ghz does not know either: argparse's own answer
+        cli.main([command, "--no-such-flag", "127.0.0.1:1"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err

@@ -182,6 +182,40 @@ def ghz_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
+GHZ_FLAGS_NOT_TAKEN: dict[str, str] = {
+    **dict.fromkeys(("--connections", "--cpus"), "drop it (--procs sets the client processes, each with its own "
+                    "channel)"),
+    **dict.fromkeys(("-x", "--max-duration", "--duration-stop"), "drop it (-z/--duration runs for a time instead "
+                    "of -n; -t/--timeout bounds each call)"),
+    **dict.fromkeys((
+        "--protoset", "--authority", "--skipTLS", "--async", "--load-schedule", "--load-start", "--load-end",
+        "--load-step", "--load-step-duration", "--load-max-duration", "--concurrency-schedule", "--concurrency-start",
+        "--concurrency-end", "--concurrency-step", "--concurrency-step-duration", "--concurrency-max-duration",
+        "-b", "--binary", "-B", "--binary-file", "-M", "--metadata-file", "--stream-interval",
+        "--stream-call-duration", "--stream-call-count", "--stream-dynamic-messages", "--reflect-metadata",
+        "--skipFirst", "--count-errors", "--connect-timeout", "--keepalive", "--tags", "--debug", "-e",
+        "--enable-compression", "--lb-strategy", "--disable-template-functions", "--disable-template-data",
+        "--max-recv-message-size", "--max-send-message-size"), "drop it"),
+}
+"""ghz's flags (github.com/bojand/ghz, its usage) that ``bench run`` and ``bench compare`` do not take, and what
+to do instead: each is refused by name (:func:`parse_load_args`). argparse's own 'unrecognized arguments' took a
+flag's value for the target and named the target as unrecognized."""
+
+
+def parse_load_args(parser: argparse.ArgumentParser, argv: list[str], command: str) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, but a ghz flag ``bench COMMAND`` does not take (:data:`GHZ_FLAGS_NOT_TAKEN`)
+    is refused naming it and what to do (:func:`usage_error`), not as argparse's unrecognized arguments."""
+    args, unknown = parser.parse_known_args(argv)
+    for token in unknown:
+        flag = token.partition("=")[0]
+        if flag in GHZ_FLAGS_NOT_TAKEN:
+            usage_error(f"{flag}: a ghz flag that switchyard bench {command} does not take; "
+                        f"{GHZ_FLAGS_NOT_TAKEN[flag]} (`switchyard bench {command} --help` lists those it takes)")
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def usage_error(message: str) -> NoReturn:
     """Print ``switchyard bench: message`` on stderr and exit 2, as argparse does for a bad flag."""
     print(f"switchyard bench: {message}", file=sys.stderr)
@@ -324,7 +358,7 @@ def _run(argv: list[str]) -> int:
     parser.add_argument("--plot", metavar="PNG", help="also write a PNG: latency histogram, TTFT distribution, "
                         "throughput over time")
     add_token_options(parser)
-    args = parser.parse_args(argv)
+    args = parse_load_args(parser, argv, "run")
     outputs.refuse_unwritable(parser, ("-o/--output", args.output), ("--plot", args.plot))  # now, not after the run
     plan = with_token(resolve_plan(args, args.host or args.target), args)
 

@@ -492,7 +492,7 @@ async def _run_scenarios(scenarios: list[Scenario], base: SwitchyardConfig, plan
 
 def main(argv: list[str]) -> int:
     """``switchyard bench compare [OPTIONS]``; returns 0 when every scenario completed."""
-    from switchyard_harness.bench.cli import add_load_options, resolve_plan
+    from switchyard_harness.bench.cli import add_load_options, parse_load_args, resolve_plan
 
     parser = argparse.ArgumentParser(
         prog="switchyard bench compare",
@@ -519,7 +519,7 @@ def main(argv: list[str]) -> int:
                         "Redis, as the earlier runs), embedded (a private redis-server) or HOST:PORT")
     parser.add_argument("--client", choices=["process", "thread"], default="process",
                         help="load generator in a child process (default) or a thread (quick smoke runs)")
-    args = parser.parse_args(argv)
+    args = parse_load_args(parser, argv, "compare")
     args.argv = argv
     if args.warmup < 0:  # -1 started the first scenario's stack and ended in a ValueError traceback ("total must be
         parser.error(f"--warmup: expected a count of calls >= 0 (0: none), got {args.warmup}")  # >= 1 (got -1)")
