@@ -558,6 +558,34 @@ async def test_server_stop_drains_open_streams_without_waiting_out_the_grace() -
         assert summary(busy.chunks["a"])[4] == 25
 
 
+async def test_a_request_still_running_when_the_drain_ends_gets_an_error_naming_the_stop_and_what_it_used() -> None:
+    """A dispatcher's SIGTERM alone (a pod's termination, a `kill` of one replica): a request still running when
+    `server.shutdown_grace_s` ran out was cut by the server's cancel, 'Cancelling all calls', which the orchestrator
+    relayed as 'dispatcher service unavailable ...: stream cut after 1638 chunk(s): Cancelling all calls; is it
+    running (switchyard up)?', and what the request used was lost. It ends UNAVAILABLE naming the stop, on
+    GenerateStream and Generate alike, with what it consumed; the stream then ends OK."""
+    async with dispatcher(**SLOW) as (service, srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("long", max_tokens=500))
+        unary = agent_pb2_grpc.InferenceServiceStub(channel).Generate(request("unary", max_tokens=500))
+        first = await unary.read()
+        assert first.HasField("token")
+        await stream.until(lambda: len(stream.chunks["long"]) >= 2, "long streams")
+        await srv.stop(0.3)
+        await asyncio.wait_for(stream.reader, HANG_BOUND_S)
+        assert await stream.call.code() == grpc.StatusCode.OK
+        [error] = stream.errors["long"]
+        assert (error.code, error.origin) == (grpc.StatusCode.UNAVAILABLE.value[0], "dispatcher"), error
+        assert error.details.startswith("dispatcher is stopping: the request was still running after "
+                                        "server.shutdown_grace_s = 0.3 s of draining and was ended"), error.details
+        assert error.consumed.usage.completion_tokens >= 2, error
+        with pytest.raises(grpc.aio.AioRpcError) as cut:
+            while await unary.read() is not grpc.aio.EOF:
+                pass
+        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert cut.value.details().startswith("dispatcher is stopping: "), cut.value.details()
+
+
 async def test_a_stream_opened_after_the_drain_began_ends_too() -> None:
     async with dispatcher(**SLOW) as (service, srv, channel):
         await service.begin_drain()  # SIGTERM: the server is not stopped yet, a stream may still arrive
@@ -724,11 +752,35 @@ async def test_a_dispatcher_stopped_mid_stream_fails_what_it_carried_unavailable
         await asyncio.wait_for(first.wait(), 30)
         await srv.stop(0)
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        for result in results:
+        for result in results:  # ended by the dispatcher naming its stop (its grace, 0 s, ran out), not cut
             assert isinstance(result, RequestFailed), result
-            assert (result.code, result.origin) == (grpc.StatusCode.UNAVAILABLE, "")
+            assert (result.code, result.origin) == (grpc.StatusCode.UNAVAILABLE, "dispatcher"), result
+            assert result.details.startswith("dispatcher is stopping: "), result.details
         await client.close()
         assert not stream_tasks()
+
+
+async def test_the_orchestrator_relays_a_request_the_dispatchers_stop_ended_in_its_words_not_as_a_cut() -> None:
+    """After tokens streamed, the dispatcher's own UNAVAILABLE (its drain ran out) read 'dispatcher service
+    unavailable at ...: stream cut after N chunk(s): ...; is it running (switchyard up)?', as if nothing had
+    answered; what the request used reaches the caller."""
+    async with dispatcher(**SLOW) as (service, srv, _channel):
+        client = InferenceClient(f"127.0.0.1:{srv.port}", service.config.server)
+        answers: list[agent_pb2.GenerateDone] = []
+        received = 0
+        with pytest.raises(SwitchyardError) as err:
+            async for _ in client.generate(spec("t", 500), 0, prompt=PROMPT, timeout_s=30,
+                                           on_consumed=answers.append):
+                received += 1
+                if received == 3:
+                    asyncio.ensure_future(srv.stop(0.1))
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.origin == "dispatcher"
+        message = str(err.value)
+        assert message.startswith(f"dispatcher (127.0.0.1:{srv.port}): dispatcher is stopping: "), message
+        assert "chunk(s)" in message and "is it running" not in message, message
+        [done] = answers
+        assert done.usage.completion_tokens >= 3
+        await client.close()
 
 
 async def test_rotation_keeps_every_request_right_and_ends_the_old_streams(monkeypatch: pytest.MonkeyPatch) -> None:

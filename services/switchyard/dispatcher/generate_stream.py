@@ -362,6 +362,22 @@ class GenerateSession:
             if running.req is not None:
                 self._answer_cancel(running, running.req)
 
+    def end_all(self, error: SwitchyardError) -> None:
+        """The dispatcher's drain ran out (``server.shutdown_grace_s``): end every request still running here with
+        ``error`` and what it consumed until now (its engine work stops, its place and KV freed), as its last
+        chunk; the session then ends (the dispatcher drains). The server's own cancel, which came next, read only
+        'Cancelling all calls', and what the requests had used was lost with it."""
+        for running in list(self._requests.values()):
+            if not running.end(RequestState.FAILED):
+                continue
+            running.span.set_attribute("rpc.grpc.status_code", error.code.value[0])
+            self._release(running)
+            used = None
+            if running.req is not None:
+                running.req.output.drain()  # the caller takes no more of its output: the error is its end
+                used = consumed(running.req)
+            self._send_now(agent_pb2.StreamedChunk(request_id=running.request_id, error=encode_error(error, used)))
+
     def _answer_cancel(self, running: _Running, req: Request) -> None:
         """Send ``req``'s done chunk, aborted: what it consumed until its cancel (its usage, compute score and
         KV peak, all charged by the scheduler as it ended; zeros for one the engine never took), finish reason

@@ -31,6 +31,7 @@ finishes at once, no tokens, on an engine that shares no prefixes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import AsyncIterator
 
@@ -43,7 +44,8 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import InvalidArgument, SwitchyardError, abort
 from switchyard.common.priority import check_priority
-from switchyard.common.server import GRPC_SERVICES, Drains, HealthOwner, set_health
+from switchyard.common.server import (GRPC_SERVICES, STREAM_END_MARGIN_S, Drains, EndsStreams, HealthOwner,
+                                     set_health)
 from switchyard.common.tenant import check_tenant, program_key
 from switchyard.common.generate_protocol import CONSUMED_KEY, decode_error, entry_bytes, new_request_id, pack
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
@@ -71,7 +73,7 @@ number is a caller's mistake, and would plan a restore years ahead and make the 
 infinite."""
 
 
-class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthOwner):
+class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, EndsStreams, HealthOwner):
     """Serves ``agent.InferenceService``; implements :class:`switchyard.common.server.Service`.
 
     Args:
@@ -128,6 +130,10 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         """Each request of the sessions, in and out (:mod:`switchyard.dispatcher.processor`); it holds the
         engine loop and the draining flag the sessions read."""
         self._sessions: set[GenerateSession] = set()
+        """The GenerateStream and Generate calls in flight, each a session of its requests."""
+        self._no_sessions = asyncio.Event()
+        """Set while no session is open (:meth:`end_streams` waits on it)."""
+        self._no_sessions.set()
         self._health: health.aio.HealthServicer | None = None
         self._health_update: asyncio.Task[None] | None = None
 
@@ -183,6 +189,35 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         self.scheduler.close()  # the one drain flag: the scheduler refuses from now on, and the processor reads it
         for session in self._sessions:
             session.drain()
+
+    async def end_streams(self, after_s: float) -> None:
+        """The drain's end: requests still running ``after_s`` seconds (``server.shutdown_grace_s``) after SIGTERM
+        are ended UNAVAILABLE naming the stop, each with what it consumed (:meth:`GenerateSession.end_all`), on
+        GenerateStream and Generate alike; their streams then end. The server's own cancel, which came next, read
+        only 'Cancelling all calls' (relayed by the orchestrator as 'dispatcher service unavailable ... is it
+        running?'), and what each request had used was lost."""
+        try:
+            await asyncio.wait_for(self._no_sessions.wait(), after_s)
+            return
+        except TimeoutError:
+            pass
+        error = SwitchyardError(
+            f"dispatcher is stopping: the request was still running after server.shutdown_grace_s = {after_s:g} s "
+            "of draining and was ended; run it again (on another replica, or once this one is back)",
+            grpc.StatusCode.UNAVAILABLE)
+        for session in list(self._sessions):
+            session.end_all(error)
+        with contextlib.suppress(TimeoutError):  # each session writes its errors and ends (the server's cancel
+            await asyncio.wait_for(self._no_sessions.wait(), STREAM_END_MARGIN_S / 2)  # of what is left follows)
+
+    def _open(self, session: GenerateSession) -> None:
+        self._sessions.add(session)
+        self._no_sessions.clear()
+
+    def _closed(self, session: GenerateSession) -> None:
+        self._sessions.discard(session)
+        if not self._sessions:
+            self._no_sessions.set()
 
     async def stop(self) -> None:
         """Drain: refuse new requests, run accepted ones to their end, close the engine.
@@ -325,6 +360,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         if not request.request_id:
             request.request_id = new_request_id()  # Generate's id is optional; a session's is not
         session = GenerateSession(self.processor)
+        self._open(session)
         try:
             await session.start(request, context.time_remaining(), None)
             session.close_intake()
@@ -338,6 +374,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
                     yield streamed.chunk
         finally:
             session.close()  # the caller went away: free its place and KV
+            self._closed(session)
 
     async def GenerateStream(
         self, request_iterator: AsyncIterator[agent_pb2.GenerateStreamRequest], context: grpc.aio.ServicerContext
@@ -352,7 +389,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         (a BATCH task's call) sends its tokens after the first at most once per that hold.
         """
         session = GenerateSession(self.processor)
-        self._sessions.add(session)
+        self._open(session)
         reader = asyncio.create_task(session.read(request_iterator), name="generate-stream-reader")
         max_bytes = self.config.server.max_message_bytes
         flush_interval_s = self.config.dispatcher.stream_flush_interval_ms / 1000
@@ -372,4 +409,4 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         finally:
             reader.cancel()
             session.close()  # what the stream still carries is aborted
-            self._sessions.discard(session)
+            self._closed(session)

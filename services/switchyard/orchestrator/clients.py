@@ -383,9 +383,12 @@ class InferenceClient:
                     tried.add(address)
                     DISPATCHER_RETRIES.inc()
                     continue
-                if unavailable and received:
+                if unavailable and received and not err.origin:  # nothing answered: the stream was cut
                     raise ServiceUnavailable("dispatcher", address, f"stream cut after {received} chunk(s): "
                                              f"{err.details}") from None
+                if unavailable and received:  # the dispatcher ended it (its drain ran out): its words
+                    raise _hop_error("dispatcher", address, err.code, f"{err.details} (after {received} streamed "
+                                     "chunk(s): not tried again, no chunk is repeated)", err.origin) from None
                 error = _hop_error("dispatcher", address, err.code, err.details, err.origin)
                 raise await _tls_named(error, address, self._tls) from None
             finally:
