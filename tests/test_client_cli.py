@@ -145,6 +145,19 @@ def test_an_addr_with_no_port_a_client_can_dial_is_refused_naming_it(capsys, add
     assert f"--addr: expected host:port such as 127.0.0.1:50051, a port in 1-65535, got {addr!r}" in err, err
 
 
+@pytest.mark.parametrize("addr", ["http://127.0.0.1:8080", "https://orchestrator:443", "HTTP://127.0.0.1:8080/"])
+def test_an_addr_given_as_a_url_is_refused_naming_the_scheme_at_once(capsys, addr):
+    """The HTTP face's URL that switchyard up prints, pasted into --addr, read after a call 'errors resolving
+    http://127.0.0.1:37991: ... Misformatted domain name' (its host taken for 'http://127.0.0.1'), and bench run's
+    target waited 10 s to say it 'cannot reach the orchestrator'."""
+    with pytest.raises(SystemExit) as refused:
+        run_main(["--addr", addr, "hello"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert f"got {addr!r} ({addr!r} is a URL: give host:port, no scheme; the orchestrator's gRPC port, not " \
+           "its HTTP face's)" in err, err
+
+
 class _Cut(agent_pb2_grpc.AgentServiceServicer):
     """Streams ``accepted``, then waits for its connection to be cut (the orchestrator killed mid-stream)."""
 

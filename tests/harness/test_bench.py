@@ -516,7 +516,7 @@ def test_a_mistyped_subcommand_is_named_not_taken_for_a_target(capsys):
     assert "unknown subcommand 'retreival'" in err and "did you mean 'retrieval'?" in err and "host:port" in err
 
 
-@pytest.mark.parametrize("target", ["127.0.0.1:99999", "127.0.0.1:0", "[::1]:5x", "host:"])
+@pytest.mark.parametrize("target", ["127.0.0.1:99999", "127.0.0.1:0", "[::1]:5x", "host:", "http://127.0.0.1:8080"])
 def test_a_target_with_no_port_a_client_can_dial_is_refused_naming_it(capsys, target):
     """127.0.0.1:99999 was dialled as 127.0.0.1:34463 (grpc takes the port modulo 65536), another server's."""
     from switchyard_harness.bench.cli import main as bench_main

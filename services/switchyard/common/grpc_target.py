@@ -20,7 +20,11 @@ def _port_problem(port: str) -> str:
 def address_problem(address: str) -> str:
     """What keeps ``address`` (``host:port`` or ``[v6]:port``) from naming a server; "" when nothing does. Every
     address a command takes is checked here: grpc dials a port past 65535 as the port modulo 65536
-    (127.0.0.1:99999 dialled 127.0.0.1:34463, another server's perhaps)."""
+    (127.0.0.1:99999 dialled 127.0.0.1:34463, another server's perhaps). A URL (``http://host:port``, the HTTP
+    face's address as ``switchyard up`` prints it) is named as one: its host was read as ``http://host``, and a
+    call failed 'Misformatted domain name' after a wait."""
+    if "://" in address:
+        return f"{address!r} is a URL: give host:port, no scheme; the orchestrator's gRPC port, not its HTTP face's"
     if address.startswith("["):
         host, sep, port = address[1:].partition("]:")
         if not sep:
