@@ -302,3 +302,59 @@ def test_nothing_is_called_unready_before_the_first_round_has_ended():
     readiness.checked = True  # a round found both down
     assert readiness.unready("rag_answer") == [("dispatcher", "127.0.0.1:1"), ("retrieval", "127.0.0.1:2")]
     assert readiness.unready("react_loop") == [("dispatcher", "127.0.0.1:1")]  # its search tool's failure is read
+
+
+async def _status_of(stub, task_id: str) -> agent_pb2.TaskStatus:
+    return await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id=task_id))
+
+
+async def _until_state(stub, task_id: str, state: int) -> agent_pb2.TaskStatus:
+    for _ in range(1200):  # a hang guard (60 s), not a speed requirement
+        status = await _status_of(stub, task_id)
+        if status.state == state:
+            return status
+        assert status.state in (agent_pb2.QUEUED, agent_pb2.RUNNING), (task_id, status.state, status.error)
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{task_id} never reached {state}: {status}")
+
+
+async def test_a_submitted_task_waits_in_the_backlog_while_a_service_its_workflow_needs_is_down(tmp_path):
+    """A task queue holds its tasks while a worker restarts: a task submitted while the dispatcher was down
+    (restarting) started at once and failed 'UNAVAILABLE: dispatcher service unavailable ... Connection refused',
+    and its caller had to resubmit it under a new task_id. It waits QUEUED until readiness finds the dispatcher
+    back, then runs. A rag_answer waits while retrieval is down without holding back a chat submitted after it."""
+    down = Downstream()
+    cfg = SwitchyardConfig()
+    first = await start_server([down], "127.0.0.1", 0, cfg.server)
+    port = first.port
+    second = None
+    try:
+        async with orchestrator(orchestrator_config(
+                f"127.0.0.1:{port}", **{"orchestrator.task_store.sqlite_path": str(tmp_path / "tasks.sqlite3")})) \
+                as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            watch = HealthWatch(channel, "agent.AgentService")
+            await watch.until(SERVING)
+            # retrieval (NOTHING_THERE) is down: a rag_answer waits, a chat behind it runs
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="rag-held", payload="hi", task_type="rag_answer"))
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="chat-runs", payload="hi", task_type="chat"))
+            await _until_state(stub, "chat-runs", agent_pb2.SUCCEEDED)
+            held = await _status_of(stub, "rag-held")
+            assert held.state == agent_pb2.QUEUED and not held.error, held
+
+            await first.stop(0)
+            await watch.until(NOT_SERVING)
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="chat-held", payload="hi", task_type="chat"))
+            for _ in range(10):  # readiness rounds (0.1 s each) pass: it is not started to fail
+                status = await _status_of(stub, "chat-held")
+                assert status.state == agent_pb2.QUEUED and not status.error, status
+                await asyncio.sleep(0.05)
+            second = await start_server([down], "127.0.0.1", port, cfg.server)
+            await watch.until(SERVING)
+            watch.call.cancel()
+            done = await _until_state(stub, "chat-held", agent_pb2.SUCCEEDED)
+            assert done.result.output == "The answer."
+            assert (await _status_of(stub, "rag-held")).state == agent_pb2.QUEUED  # retrieval is still down
+    finally:
+        if second is not None:
+            await second.stop(0)

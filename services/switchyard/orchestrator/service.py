@@ -42,7 +42,7 @@ from switchyard.common.auth import BearerAuthInterceptor, BearerTokens, TokenGua
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
-from switchyard.common.metrics import QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECTED
+from switchyard.common.metrics import QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECTED, TASK_TYPES
 from switchyard.common.metrics import SERVING as SERVING_GAUGE
 from switchyard.common.errors import (InvalidArgument, ServiceUnavailable, SwitchyardError,
                                      TaskRefusedEarly, abort, hop_of, own_fault, status_for)
@@ -304,11 +304,20 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         )
         await self.readiness.start()
 
+    def _held_workflows(self) -> frozenset[str]:
+        """The workflows whose submitted tasks wait in the backlog now: those a downstream service they cannot
+        run without was found down by readiness' last round (``Readiness.unready``)."""
+        if self.readiness is None:
+            return frozenset()
+        return frozenset(workflow for workflow in TASK_TYPES if self.readiness.unready(workflow))
+
     def _downstream_back(self, name: str) -> None:
         """Readiness found ``name`` ready after not: a dispatcher back may be another build, serving another model
-        or window (its DescribeModel is asked again)."""
+        or window (its DescribeModel is asked again). The submitted tasks held for it start (once the round has
+        recorded it ready: :meth:`_start_submitted`)."""
         if name == "dispatcher" and self._deps is not None:
             self._deps.inference.dispatcher_back()
+        asyncio.get_running_loop().call_soon(self._start_submitted)
 
     def not_ready(self) -> str | None:
         """Why the orchestrator does not take tasks of its default type now, as its health name
@@ -757,8 +766,14 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             return 0
 
     def _start_submitted(self) -> None:
-        """Start backlog tasks while fewer than ``orchestrator.max_running_submitted_tasks`` run."""
-        while not self._stopping and (entry := self._submitted.start_next()) is not None:
+        """Start backlog tasks while fewer than ``orchestrator.max_running_submitted_tasks`` run. A task whose
+        workflow cannot run now (readiness found a service it needs down: a dispatcher restarting) is not started
+        to fail at once: it waits, its place kept, until readiness finds the service back
+        (:meth:`_downstream_back`), as a task queue holds its tasks while a worker restarts."""
+        held = self._held_workflows()
+        if held == frozenset(TASK_TYPES):
+            return
+        while not self._stopping and (entry := self._submitted.start_next(held)) is not None:
             entry.runner = asyncio.create_task(self._run_submitted(entry), name=f"submitted-{entry.spec.task_id}",
                                                context=entry.context)
 

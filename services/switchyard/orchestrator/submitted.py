@@ -149,14 +149,19 @@ class SubmittedTasks:
             raise KeyError(task_id) from None
         return sum(len(q) for q in self._backlog[:rank]) + index
 
-    def start_next(self) -> Submitted | None:
-        """The next task to start (the most important class's first), now counted as running; None when
-        ``max_running`` run already or the backlog is empty. The caller starts it and sets ``runner``."""
+    def start_next(self, held: frozenset[str] = frozenset()) -> Submitted | None:
+        """The next task to start (the most important class's first whose workflow is not in ``held``), now
+        counted as running; None when ``max_running`` run already, or no task waits but of a held workflow. A
+        task of a held workflow (one whose downstream service is down) keeps its place. The caller starts it and
+        sets ``runner``."""
         if self.running >= self.max_running:
             return None
         for queue in self._backlog:
-            if queue:
-                entry = self._tasks[queue.popleft()]
+            for index, task_id in enumerate(queue):
+                entry = self._tasks[task_id]
+                if entry.spec.workflow in held:
+                    continue
+                del queue[index]
                 entry.state = agent_pb2.RUNNING
                 expired = entry.deadline_s is not None and time.monotonic() >= entry.deadline_s
                 _left_backlog(entry, "expired" if expired else "admitted")  # expired: its run fails at once
