@@ -308,6 +308,29 @@ def test_the_orchestrators_own_addresses_are_hidden_whatever_their_form():
         f"dispatcher ({HIDDEN}): x; {HIDDEN} y"
 
 
+@pytest.mark.parametrize("dispatcher_addr, message, shown", [
+    # what a caller read once a local dispatcher stopped (switchyard up, SIGTERM): gRPC's resolved address is the
+    # orchestrator's own setting behind the scheme gRPC writes before it
+    ("127.0.0.1:40107", "dispatcher service unavailable at 127.0.0.1:40107: connections to all backends failing; "
+     "last error: UNKNOWN: ipv4:127.0.0.1:40107: Failed to connect to remote host: Connection refused",
+     f"dispatcher service unavailable at {HIDDEN}: connections to all backends failing; last error: UNKNOWN: "
+     f"{HIDDEN}: Failed to connect to remote host: Connection refused"),
+    # its siblings: a host of one label in a static list, an IPv6 address, a unix socket
+    ("ipv4:dispatcher-0:50053,dispatcher-1:50053", "last error: UNKNOWN: ipv4:dispatcher-1:50053: Connection refused",
+     f"last error: UNKNOWN: {HIDDEN}: Connection refused"),
+    ("[::1]:50053", "last error: UNKNOWN: ipv6:[::1]:50053: Connection refused",
+     f"last error: UNKNOWN: {HIDDEN}: Connection refused"),
+    ("unix:/run/dispatcher.sock", "last error: UNKNOWN: unix:/run/dispatcher.sock: No such file",
+     f"last error: UNKNOWN: {HIDDEN}: No such file"),
+])
+def test_grpcs_resolved_form_of_an_own_address_is_hidden_whole(dispatcher_addr, message, shown):
+    """gRPC names the address it failed to reach as ``ipv4:HOST:PORT``: the orchestrator's own address hidden
+    as written left the ``ipv4:`` before it, which was then read as an address of its own (``[address hidden]
+    hidden]``)."""
+    cfg = load_config("config").with_overrides(**{"orchestrator.dispatcher_addr": dispatcher_addr})
+    assert EdgeText.for_config(cfg).text(message, "orchestrator") == shown
+
+
 def test_the_opt_in_shows_addresses_but_never_a_urls_credentials():
     edge = EdgeText(show_addresses=True)
     message = "upstream 401 from http://u:secret@10.0.3.7:8000/v1/chat/completions?api-key=k2 (upstream said 'no')"

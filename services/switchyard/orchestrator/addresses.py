@@ -56,7 +56,9 @@ _TRAILING = ".,;:!?)]}"
 """Characters that end a sentence or a parenthesis after a URL, not part of it (unless it opened them)."""
 _IPV6 = re.compile(r"\[[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(?:%[\w.]+)?\](?::\d{1,5})?")
 """A bracketed IPv6 address, port optional: ``[fd00::7]:8000``."""
-_GRPC_ADDRESS = re.compile(r"\b(?:ipv4|ipv6|unix|unix-abstract|vsock):[^\s'\",;)]*[^\s'\",;):.]")
+_GRPC_SCHEME = r"(?:ipv4|ipv6|unix|unix-abstract|vsock)"
+"""The schemes of gRPC's resolved addresses."""
+_GRPC_ADDRESS = re.compile(r"\b" + _GRPC_SCHEME + r":(?!" + re.escape(HIDDEN) + r")[^\s'\",;)]*[^\s'\",;):.]")
 """gRPC's resolved addresses in its words: ``ipv4:10.0.0.5:50053``, ``ipv6:%5B::1%5D:50053``, ``unix:/run/s``."""
 _IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?(?![\w.])")
 """An IPv4 address, port optional."""
@@ -123,8 +125,11 @@ class EdgeText:
     def __init__(self, show_addresses: bool, known: Iterable[str] = ()) -> None:
         self.show_addresses = show_addresses
         names = sorted({k for k in known if k}, key=len, reverse=True)  # the longest first: a list before its parts
-        self._known = (re.compile(r"(?<![\w.-])(?:" + "|".join(map(re.escape, names)) + r")(?![\w.]|:\d)")
-                       if names else None)
+        # gRPC's own words put a scheme before an address (``ipv4:127.0.0.1:50053``): hidden with it, else the
+        # scheme was left before the name and read as an address of its own (``[address hidden] hidden]``).
+        listed = "|".join(map(re.escape, names))
+        self._known = (re.compile(r"(?<![\w.-])(?:" + listed + "|" + _GRPC_SCHEME + r":(?:" + listed + r"))"
+                                  r"(?![\w.]|:\d)") if names else None)
 
     @classmethod
     def for_config(cls, config: SwitchyardConfig) -> "EdgeText":
