@@ -358,3 +358,51 @@ async def test_a_submitted_task_waits_in_the_backlog_while_a_service_its_workflo
     finally:
         if second is not None:
             await second.stop(0)
+
+
+async def test_a_refused_task_and_readyz_say_what_the_dispatchers_health_check_found():
+    """A task refused for a dispatcher not ready read 'it did not answer its last health check (within
+    orchestrator.health_check_timeout_s = 1 s)' whatever the check had found: a dispatcher draining after SIGTERM,
+    which answers NOT_SERVING at once, or a closed port, sent an operator looking for a hang (a SIGSTOPped
+    process's words: test_a_stopped_dispatcher_process_answers_nothing_and_counts_as_not_ready)."""
+    down = Downstream()
+    cfg = orchestrator_config("127.0.0.1:1")
+    dispatcher = await start_server([down], "127.0.0.1", 0, cfg.server)
+    cfg = orchestrator_config(f"127.0.0.1:{dispatcher.port}")
+    orch = OrchestratorService(cfg)
+    face = HttpFace(orch, cfg, port=0)
+    task = agent_pb2.RunTaskRequest(payload="hi", task_type="chat", max_tokens=2)
+
+    async def refused_and_readyz() -> tuple[str, httpx.Response]:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            [e async for e in stub.RunTask(task, timeout=60)]
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        return refused.value.details() or "", await client.get("/readyz")
+
+    try:
+        async with running([orch, face], cfg.server) as srv:
+            async with open_channel(f"127.0.0.1:{srv.port}") as channel, \
+                    httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                watch = HealthWatch(channel, "agent.AgentService")
+                await watch.until(SERVING)
+                assert [e async for e in stub.RunTask(task)][-1].HasField("final")
+
+                await dispatcher.health.enter_graceful_shutdown()  # a drain's first step: NOT_SERVING, port open
+                await watch.until(NOT_SERVING)
+                details, readyz = await refused_and_readyz()
+                says = "its last health check answered NOT_SERVING (draining after SIGTERM, or not ready yet)"
+                assert details == f"dispatcher service unavailable at {HIDDEN}: {says}; is it running (switchyard up)?"
+                assert readyz.status_code == 503 and says in readyz.text, readyz.text
+
+                await dispatcher.stop(0)  # the port closed: refused, not silent
+                while orch.readiness.why["dispatcher"].startswith("its last health check answered NOT_SERVING"):
+                    await asyncio.sleep(0.05)
+                details, readyz = await refused_and_readyz()
+                says = "its last health check failed (UNAVAILABLE: "
+                assert details.startswith(f"dispatcher service unavailable at {HIDDEN}: {says}"), details
+                assert readyz.status_code == 503 and says in readyz.text, readyz.text
+                assert "did not answer" not in details + readyz.text
+                watch.call.cancel()
+    finally:
+        await dispatcher.stop(0)

@@ -85,22 +85,41 @@ def address_count(target: str) -> int:
     return UNKNOWN_FAN_OUT if addresses is None else max(1, len(addresses))
 
 
-async def check(channel: grpc.aio.Channel, service: str, timeout_s: float, attempts: int) -> bool:
-    """True when one of up to ``attempts`` health Checks of ``service`` answers SERVING.
+async def check(channel: grpc.aio.Channel, service: str, timeout_s: float, attempts: int) -> str:
+    """"" when one of up to ``attempts`` health Checks of ``service`` answers SERVING, else why not, in words
+    that end the sentence "dispatcher service unavailable at ADDRESS: ..." (:func:`not_ready_reason`).
 
     Each Check waits at most ``timeout_s`` seconds; a failed or NOT_SERVING
     answer moves on to the next attempt (the channel's round_robin sends it to
-    the next address). Never raises.
+    the next address), and the last attempt's failure is the one named. Never raises.
     """
     stub = health_pb2_grpc.HealthStub(channel)
+    why = "it was not asked its health"
     for _ in range(attempts):
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
+            why = not_ready_reason(exc.code(), exc.details() or "", timeout_s)
             continue
         if reply.status == SERVING:
-            return True
-    return False
+            return ""
+        why = not_ready_reason(None, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), timeout_s)
+    return why
+
+
+def not_ready_reason(code: grpc.StatusCode | None, said: str, timeout_s: float) -> str:
+    """Why one health Check found its service not ready: ``code`` the Check's failure (None: it answered
+    ``said``, a status other than SERVING). A service that answered NOT_SERVING is draining or starting, one
+    whose Check ran out of time answers nothing (SIGSTOP, a hung process), one refused is not running there:
+    each its own words, so an operator does not look for a hang where a drain or a closed port is."""
+    if code is None:
+        if said == "NOT_SERVING":
+            return "its last health check answered NOT_SERVING (draining after SIGTERM, or not ready yet)"
+        return f"its last health check answered {said} (is the address another service's?)"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ("it did not answer its last health check (within orchestrator.health_check_timeout_s = "
+                f"{timeout_s:g} s)")
+    return f"its last health check failed ({code.name}: {said})"
 
 
 class Readiness:
@@ -134,6 +153,8 @@ class Readiness:
         self.timeout_s = timeout_s
         self.ready: dict[str, bool] = {name: False for name in channels}
         """Last result per downstream service (False before the first round)."""
+        self.why: dict[str, str] = {name: "" for name in channels}
+        """Why the last round found each service not ready (:func:`check`); "" where it found it ready."""
         self.checked = False
         """A round has ended: :attr:`ready` says what was found, not what is not known yet."""
         self._published: dict[str, int] = {}
@@ -143,7 +164,7 @@ class Readiness:
         """Called with a service's name when a round finds it ready after one that found it not (it restarted,
         perhaps as another build: the dispatcher's DescribeModel is asked again)."""
 
-    async def _check_service(self, name: str) -> bool:
+    async def _check_service(self, name: str) -> str:
         """One service's readiness. With its replicas known (a :class:`ReplicaSet`), each replica is checked
         on its own channel, and those that do not answer SERVING are marked unhealthy there, so calls avoid
         a replica that stopped answering (SIGSTOP) while its connection still looks open."""
@@ -155,11 +176,12 @@ class Readiness:
             return await check(channel, HEALTH_NAMES[name], self.timeout_s, address_count(target))
         addresses = list(replicas.channels.items())
         results = await asyncio.gather(*(check(ch, HEALTH_NAMES[name], self.timeout_s, 1) for _, ch in addresses))
-        unhealthy = frozenset(address for (address, _), ok in zip(addresses, results) if not ok)
+        unhealthy = frozenset(address for (address, _), why in zip(addresses, results) if why)
         if unhealthy != replicas.unhealthy:
-            log.warning("readiness: %s replicas not answering: %s", name, ", ".join(sorted(unhealthy)) or "none")
+            log.warning("readiness: %s replicas not ready: %s", name, "; ".join(sorted(
+                f"{address}: {why}" for (address, _), why in zip(addresses, results) if why)) or "none")
         replicas.unhealthy = unhealthy
-        return any(results)
+        return "" if not all(results) else results[0]
 
     def unready(self, workflow: str) -> list[tuple[str, str]]:
         """The downstream services ``workflow`` cannot run without (:data:`CANNOT_RUN_WITHOUT`) that the last
@@ -187,7 +209,8 @@ class Readiness:
         """Check every downstream service once (concurrently) and publish the statuses that changed."""
         names = list(self._channels)
         results = await asyncio.gather(*(self._check_service(name) for name in names))
-        for name, ok in zip(names, results):
+        for name, why in zip(names, results):
+            ok = not why
             if ok != self.ready[name]:
                 target = self._channels[name][1]
                 if ok:
@@ -195,8 +218,9 @@ class Readiness:
                     if self.checked and self._on_back is not None:
                         self._on_back(name)
                 else:
-                    log.warning("readiness: no ready %s at %s", name, target)
+                    log.warning("readiness: no ready %s at %s: %s", name, target, why)
             self.ready[name] = ok
+            self.why[name] = why
         self.checked = True
         statuses = self.statuses()
         for name, status in statuses.items():

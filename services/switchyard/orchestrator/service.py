@@ -321,8 +321,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
     def not_ready(self) -> str | None:
         """Why the orchestrator does not take tasks of its default type now, as its health name
-        ``agent.AgentService`` answers NOT_SERVING (a service it needs did not answer its last health check), or
-        it is draining or not yet checking; None when it does. The HTTP face's ``/readyz`` answers it."""
+        ``agent.AgentService`` answers NOT_SERVING (a service it needs was not found ready, named with what its last
+        health check found: :attr:`Readiness.why`), or it is draining or not yet checking; None when it does. The HTTP
+        face's ``/readyz`` answers it."""
         if self._draining:
             return "the orchestrator is draining (SIGTERM); send to another replica"
         if self.readiness is None or not self.readiness.checked:
@@ -330,8 +331,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         unready = self.readiness.not_serving(self.config.orchestrator.default_task_type)
         if unready:
             service, target = unready[0]
-            return (f"{service} at {target} did not answer its last health check (within "
-                    f"orchestrator.health_check_timeout_s = {self.config.orchestrator.health_check_timeout_s:g} s)")
+            return f"{service} at {target}: {self.readiness.why.get(service) or 'not checked yet'}"
         return None
 
     async def begin_drain(self) -> None:
@@ -578,9 +578,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         unready = self.readiness.unready(workflow) if self.readiness is not None else []
         if unready:
             service, target = unready[0]
-            raise ServiceUnavailable(service, target, "it did not answer its last health check "
-                                     f"(within orchestrator.health_check_timeout_s = "
-                                     f"{self.config.orchestrator.health_check_timeout_s:g} s)")
+            raise ServiceUnavailable(service, target, self.readiness.why.get(service) or "not checked yet")
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         """End the call with ``exc``'s status (:func:`abort`), its details as the caller reads them
