@@ -54,6 +54,24 @@ def test_promtool_check_rules_accepts_the_rule_file() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_the_shipped_prometheus_config_scrapes_a_local_stack_on_the_configs_ports() -> None:
+    """deploy/prometheus/prometheus.yml is what an operator points Prometheus at for `switchyard up`: promtool
+    accepts it, it loads the rule file beside it, and each service is one job on its configured metrics port
+    (the alerts match series on job and instance). There was none: every operator wrote one."""
+    shipped = PROM / "prometheus.yml"
+    out = subprocess.run([require("promtool"), "check", "config", str(shipped)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    config = yaml.safe_load(shipped.read_text())
+    assert [(PROM / f).resolve() for f in config["rule_files"]] == [RULES.resolve()]
+    cfg = load_config(REPO / "config")
+    host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::", "") else cfg.server.host
+    jobs = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+            for job in config["scrape_configs"]}
+    assert jobs == {"orchestrator": [f"{host}:{cfg.orchestrator.metrics_port}"],
+                    "retrieval": [f"{host}:{cfg.retrieval.metrics_port}"],
+                    "dispatcher": [f"{host}:{cfg.dispatcher.metrics_port}"]}
+
+
 def test_promtool_unit_tests_pass() -> None:
     out = subprocess.run([require("promtool"), "test", "rules", *map(str, TESTS)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
