@@ -150,6 +150,51 @@ async def test_dispatcher_generate_streams_from_the_upstream(sim_openai):
     assert sim_openai.state.requests[-1]["max_tokens"] == 32
 
 
+async def test_each_upstream_call_is_a_child_of_its_request_span(sim_openai, monkeypatch):
+    """The gateway's ``gateway.chat_completions`` span (the model server's URL, its status, what it streamed) is
+    the child of the request's ``dispatcher.generate``, in the task's trace: the call ran in a task the stream loop
+    started, in the loop's context, so each upstream call was a trace of its own that no task's trace showed."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from switchyard.api import agent_pb2_grpc
+    from switchyard.common.server import running
+    from switchyard.dispatcher import processor
+    from switchyard.dispatcher.service import DispatcherService
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(processor, "tracer", provider.get_tracer(processor.__name__))
+    cfg = load_config("config").with_overrides(**{
+        "dispatcher.engine": "openai", "upstream.base_url": sim_openai.base_url, "upstream.api_key_required": False})
+    engine = OpenAIEngine(cfg, tracer=provider.get_tracer("switchyard.gateway.client"))
+    try:
+        async with running([DispatcherService(cfg, engine=engine)], cfg.server) as server:
+            async with open_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = agent_pb2_grpc.InferenceServiceStub(channel)
+
+
+                async def one(i: int) -> None:
+                    chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+                        request_id=f"t{i}", prompt=PROMPT, max_tokens=8))]
+                    assert chunks[-1].WhichOneof("chunk") == "done"
+
+                await asyncio.gather(*(one(i) for i in range(3)))
+        spans = exporter.get_finished_spans()
+    finally:
+        provider.shutdown()
+    requests = {s.context.span_id: s for s in spans if s.name == "dispatcher.generate"}
+    calls = [s for s in spans if s.name == "gateway.chat_completions"]
+    assert len(requests) == 3 and len(calls) == 3
+    assert sorted(c.attributes["switchyard.request_id"] for c in calls) == ["t0", "t1", "t2"]
+    for call in calls:
+        assert call.parent is not None, "an upstream call with no parent: a trace of its own"
+        assert call.context.trace_id == requests[call.parent.span_id].context.trace_id
+    assert len({call.parent.span_id for call in calls}) == 3  # each request's own call
+
+
 async def test_dispatcher_generate_carries_the_upstream_status(clean_proxy_env):
     with start_sim(faults={"*": Fault(expired=True)}) as server:
         with pytest.raises(grpc.aio.AioRpcError) as caught:

@@ -37,9 +37,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import itertools
 import time
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.priority import PriorityClass
@@ -142,7 +146,8 @@ class StreamLoop(LoopBase):
         wave = next(self._waves)
         self._prefilling[wave] = {req.seq_id for req in admitted}
         for req in admitted:
-            call = asyncio.create_task(self._stream(req, wave), name=f"stream-{req.request_id}")
+            call = asyncio.create_task(self._stream(req, wave), name=f"stream-{req.request_id}",
+                                       context=_under_request_span(req))
             # the callback, not the coroutine's ``finally``: a task cancelled before its first step (its request
             # aborted in the same turn of the event loop that admitted it) never runs its body
             call.add_done_callback(functools.partial(self._stream_ended, req, wave))
@@ -233,3 +238,15 @@ class StreamLoop(LoopBase):
             else:
                 self._apply_outputs(scheduler.finish_requests([req], RequestStatus.FINISHED_ERROR,
                                                         time.monotonic(), exc))
+
+
+def _under_request_span(req: Request) -> contextvars.Context:
+    """The context ``req``'s upstream call runs in: its ``dispatcher.generate`` span current, so the gateway's
+    ``gateway.chat_completions`` span is that span's child, in the task's trace.
+    The call is a task the loop starts, whose context was the loop's: each upstream call was a trace of its own,
+    with no parent and no link to the task it served (an unsampled task's sampled anew). With tracing off (no
+    span, or the invalid one), the loop's context as it is."""
+    context = contextvars.copy_context()
+    if req.span is not None and req.span.get_span_context().is_valid:
+        context.run(otel_context.attach, trace.set_span_in_context(req.span))
+    return context
