@@ -493,6 +493,36 @@ def test_ghz_connection_flags_are_checked(capsys):
         assert says in capsys.readouterr().err, argv
 
 
+def test_ghz_flags_not_taken_are_named_never_read_as_the_target(capsys):
+    """A ghz command line with a flag bench run does not take (``--connections 4``, ghz's old ``-q 200``) was
+    refused as "unrecognized arguments: --connections 127.0.0.1:50051": the flag's value had become the target
+    and the orchestrator's address the argument not recognised. Each is named with what to use instead."""
+    for argv, says in [
+        (["run", "--connections", "4", "127.0.0.1:1"], "--connections: a ghz flag that switchyard bench run does "
+                                                       "not take; drop it (--procs sets the client processes"),
+        (["run", "-q", "200", "127.0.0.1:1"], "-q: a ghz flag that switchyard bench run does not take; use -r/--rps"),
+        (["run", "--skipFirst=10", "127.0.0.1:1"], "--skipFirst: a ghz flag"),
+        (["run", "-x", "10s", "127.0.0.1:1"], "-x: a ghz flag"),
+        (["run", "--load-schedule", "step", "127.0.0.1:1"], "--load-schedule: a ghz flag"),
+        (["compare", "--connections", "4"], "--connections: a ghz flag that switchyard bench compare does not take"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and "unrecognized arguments" not in err, (argv, err)
+
+
+def test_ghz_short_rate_flag_is_taken():
+    """ghz's ``-r`` (short for ``--rps``) paces the calls as ``--rps`` does."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cli.add_load_options(parser)
+    plan = cli.resolve_plan(parser.parse_args(["-r", "200", "-n", "100", "--procs", "1"]), "127.0.0.1:1")
+    assert plan.rps == 200
+
+
 async def test_timeout_0_means_no_deadline_as_in_ghz(agent_server, tmp_path):
     """ghz -t 0: no timeout. The calls go out without a gRPC deadline and the report says timeout 0."""
     host, servicer = agent_server

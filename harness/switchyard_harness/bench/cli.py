@@ -87,7 +87,7 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="ghz JSON config file (ghz/reference.json); flags override its keys")
     parser.add_argument("-n", "--total", type=int, help="calls to make (ghz default 200)")
     parser.add_argument("-c", "--concurrency", type=int, help="concurrent calls (ghz default 50)")
-    parser.add_argument("--rps", type=float, help="call starts per second, 0 = unpaced")
+    parser.add_argument("-r", "--rps", type=float, help="call starts per second, 0 = unpaced (ghz -r)")
     parser.add_argument("-z", "--duration", type=parse_duration, help="run this long instead of -n (e.g. 30s)")
     parser.add_argument("-t", "--timeout", type=parse_duration,
                         help="deadline per call (default 20s; 0: none, as ghz -t 0)")
@@ -183,6 +183,7 @@ def ghz_config(path: Path) -> dict[str, Any]:
 
 
 GHZ_FLAGS_NOT_TAKEN: dict[str, str] = {
+    **dict.fromkeys(("-q", "--qps"), "use -r/--rps (ghz's old name for the rate)"),
     **dict.fromkeys(("--connections", "--cpus"), "drop it (--procs sets the client processes, each with its own "
                     "channel)"),
     **dict.fromkeys(("-x", "--max-duration", "--duration-stop"), "drop it (-z/--duration runs for a time instead "
