@@ -493,7 +493,7 @@ def test_ghz_connection_flags_are_checked(capsys):
         assert says in capsys.readouterr().err, argv
 
 
-def test_ghz_flags_not_taken_are_named_never_read_as_the_target(capsys):
+def test_ghz_flags_not_taken_are_named_never_read_as_the_target(capsys, tmp_path):
     """A ghz command line with a flag bench run does not take (``--connections 4``, ghz's old ``-q 200``) was
     refused as "unrecognized arguments: --connections 127.0.0.1:50051": the flag's value had become the target
     and the orchestrator's address the argument not recognised. Each is named with what to use instead."""
@@ -504,8 +504,22 @@ def test_ghz_flags_not_taken_are_named_never_read_as_the_target(capsys):
         (["run", "--skipFirst=10", "127.0.0.1:1"], "--skipFirst: a ghz flag"),
         (["run", "-x", "10s", "127.0.0.1:1"], "-x: a ghz flag"),
         (["run", "--load-schedule", "step", "127.0.0.1:1"], "--load-schedule: a ghz flag"),
+        (["run", "--protoset", "agent.protoset", "--call", "agent.AgentService.SubmitTask", "127.0.0.1:1"],
+         "only agent.AgentService.RunTask"),  # --protoset is taken, as --proto
         (["compare", "--connections", "4"], "--connections: a ghz flag that switchyard bench compare does not take"),
     ]:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and "unrecognized arguments" not in err, (argv, err)
+    # the same keys of a ghz config file were ignored, unsaid
+    for key, value, says in [("skipFirst", 10, "skipFirst: a ghz key switchyard bench does not take; drop it (every call is "
+                                                "reported"),
+                             ("connections", 4, "connections: a ghz key switchyard bench does not take")]:
+        path = tmp_path / f"{key}.json"
+        path.write_text(json.dumps({"call": "agent.AgentService.RunTask", "total": 10, key: value}))
+        argv = ["run", "--config", str(path), "127.0.0.1:1"]
         with pytest.raises(SystemExit) as exit_:
             cli.main(argv)
         assert exit_.value.code == 2, argv

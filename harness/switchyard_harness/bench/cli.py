@@ -103,6 +103,7 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key", help="PEM private key of --cert (ghz --key)")
     parser.add_argument("--cname", help="server name to check in its certificate (ghz --cname)")
     parser.add_argument("--proto", help="accepted for ghz compatibility; the contract is built in")
+    parser.add_argument("--protoset", help="accepted for ghz compatibility; the contract is built in")
     parser.add_argument("-i", "--import-paths", help="accepted for ghz compatibility (ghz resolves the proto's "
                         "imports there); the contract is built in")
     parser.add_argument("--call", help="accepted for ghz compatibility: only agent.AgentService.RunTask")
@@ -172,6 +173,9 @@ def ghz_config(path: Path) -> dict[str, Any]:
         raise ValueError(f"expected a ghz JSON config ({exc})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"expected a JSON object of ghz's keys, got {type(cfg).__name__} {json.dumps(cfg)[:80]}")
+    for key in cfg:  # ghz's keys are its long flags' names: one not taken is named, never ignored
+        if f"--{key}" in GHZ_FLAGS_NOT_TAKEN:
+            raise ValueError(f"{key}: a ghz key switchyard bench does not take; {GHZ_FLAGS_NOT_TAKEN[f'--{key}']}")
     for key, (what, types) in _GHZ_CONFIG_TYPES.items():
         value = cfg.get(key)
         if value is None and key not in cfg:
@@ -182,20 +186,28 @@ def ghz_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
+_SCHEDULE = "drop it (a load that changes over the run is not generated: a constant -r/--rps and -c/--concurrency)"
+_JSON_DATA = "drop it (call data is JSON: -d or -D)"
 GHZ_FLAGS_NOT_TAKEN: dict[str, str] = {
     **dict.fromkeys(("-q", "--qps"), "use -r/--rps (ghz's old name for the rate)"),
     **dict.fromkeys(("--connections", "--cpus"), "drop it (--procs sets the client processes, each with its own "
                     "channel)"),
     **dict.fromkeys(("-x", "--max-duration", "--duration-stop"), "drop it (-z/--duration runs for a time instead "
                     "of -n; -t/--timeout bounds each call)"),
+    "--skipFirst": "drop it (every call is reported: run a warm-up first and keep the second report)",
+    "--count-errors": "drop it (latency figures are of the successful calls, as ghz's without it; failed ones are "
+                      "counted in statusCodeDistribution and errorDistribution)",
+    "--async": "drop it (calls start at -r/--rps, at most -c/--concurrency in flight)",
+    "--skipTLS": "drop it (a server's certificate is always checked over TLS: --cacert CA)",
+    **dict.fromkeys(("-b", "--binary", "-B", "--binary-file"), _JSON_DATA),
+    **dict.fromkeys(("-M", "--metadata-file"), "drop it (metadata is -m with a JSON object)"),
+    **dict.fromkeys([f"--load-{k}" for k in ("schedule", "start", "end", "step", "step-duration", "max-duration")]
+                    + [f"--concurrency-{k}" for k in ("schedule", "start", "end", "step", "step-duration",
+                                                        "max-duration")], _SCHEDULE),
     **dict.fromkeys((
-        "--protoset", "--authority", "--skipTLS", "--async", "--load-schedule", "--load-start", "--load-end",
-        "--load-step", "--load-step-duration", "--load-max-duration", "--concurrency-schedule", "--concurrency-start",
-        "--concurrency-end", "--concurrency-step", "--concurrency-step-duration", "--concurrency-max-duration",
-        "-b", "--binary", "-B", "--binary-file", "-M", "--metadata-file", "--stream-interval",
-        "--stream-call-duration", "--stream-call-count", "--stream-dynamic-messages", "--reflect-metadata",
-        "--skipFirst", "--count-errors", "--connect-timeout", "--keepalive", "--tags", "--debug", "-e",
-        "--enable-compression", "--lb-strategy", "--disable-template-functions", "--disable-template-data",
+        "--authority", "--stream-interval", "--stream-call-duration", "--stream-call-count",
+        "--stream-dynamic-messages", "--reflect-metadata", "--connect-timeout", "--keepalive", "--tags", "--debug",
+        "-e", "--enable-compression", "--lb-strategy", "--disable-template-functions", "--disable-template-data",
         "--max-recv-message-size", "--max-send-message-size"), "drop it"),
 }
 """ghz's flags (github.com/bojand/ghz, its usage) that ``bench run`` and ``bench compare`` do not take, and what
