@@ -153,7 +153,9 @@ async def test_dispatcher_generate_streams_from_the_upstream(sim_openai):
 async def test_each_upstream_call_is_a_child_of_its_request_span(sim_openai, monkeypatch):
     """The gateway's ``gateway.chat_completions`` span (the model server's URL, its status, what it streamed) is
     the child of the request's ``dispatcher.generate``, in the task's trace: the call ran in a task the stream loop
-    started, in the loop's context, so each upstream call was a trace of its own that no task's trace showed."""
+    started, in the loop's context, so each upstream call was a trace of its own that no task's trace showed. Its
+    HTTP request carries that span as ``traceparent``: it carried no trace context, so a model server that traces
+    (vLLM, TGI, SGLang) started traces of its own."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -193,6 +195,10 @@ async def test_each_upstream_call_is_a_child_of_its_request_span(sim_openai, mon
         assert call.parent is not None, "an upstream call with no parent: a trace of its own"
         assert call.context.trace_id == requests[call.parent.span_id].context.trace_id
     assert len({call.parent.span_id for call in calls}) == 3  # each request's own call
+    # the model server is handed each call's span as its parent (W3C traceparent), to join the trace if it traces
+    sent = sorted(h["traceparent"] for h in sim_openai.state.headers[-3:])
+    assert sent == sorted(f"00-{c.context.trace_id:032x}-{c.context.span_id:016x}-{c.context.trace_flags:02x}"
+                          for c in calls)
 
 
 async def test_dispatcher_generate_carries_the_upstream_status(clean_proxy_env):

@@ -22,7 +22,8 @@
   as is, so no token is ever repeated.
 - The key is read from ``model_gateway.api_key_env`` on every call and never
   appears in a log, span, message or metric.
-- Every chat request carries ``X-Agent-Id``, ``X-Priority`` (core, normal, batch) and
+- Every chat request carries W3C trace context (``traceparent``: the call's ``gateway.chat_completions``
+  span, where tracing is on), ``X-Agent-Id``, ``X-Priority`` (core, normal, batch) and
   ``X-Request-Id`` headers (the request's id, ``<id>~<n>`` while another call in flight holds it,
   :meth:`GatewayClient._claim_request_id`; ``<id>-<n>`` for the n-th HTTP request of one call,
   :func:`attempt_request_id`); with ``forward_priority`` the priority also goes in the
@@ -51,7 +52,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 import grpc
 import httpx
 from httpx_sse import ServerSentEvent
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from switchyard.common.priority import PriorityClass
@@ -824,10 +825,11 @@ class GatewayClient:
             call.sent += 1
             if request.on_sent is not None:
                 request.on_sent(endpoint.url, model)
-            http_request = endpoint.http.build_request(
-                "POST", endpoint.chat_completions_url, json=body,
-                headers=self._headers(call.token, stream=True, request=request, attempt=call.sent),
-            )
+            headers = self._headers(call.token, stream=True, request=request, attempt=call.sent)
+            # W3C trace context (traceparent, and baggage where set): a model server that traces (vLLM's
+            # --otlp-traces-endpoint, TGI's --otlp-endpoint, SGLang's) joins the task's trace under this call's span
+            propagate.inject(headers, context=trace.set_span_in_context(call.span))
+            http_request = endpoint.http.build_request("POST", endpoint.chat_completions_url, json=body, headers=headers)
             try:
                 response = await endpoint.http.send(http_request, stream=True)
             except httpx.HTTPError as exc:
