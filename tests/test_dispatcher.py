@@ -751,47 +751,6 @@ class GatedEchoEngine(EchoStreamEngine):
             yield item
 
 
-async def test_a_core_arrival_behind_a_batch_head_wakes_the_stream_loop_when_only_its_reserve_is_left() -> None:
-    """The limit came down below the BATCH streams in flight, CORE's reserved slot free: a CORE request that
-    arrives behind waiting BATCH work (fifo) starts at the decision its arrival wakes, under the one admission
-    rule (StreamSlots). The loop's own test of "a slot is left" counted the limit alone, so nothing woke it,
-    and the CORE request waited for the time slice (here 10 s) or a BATCH stream's end."""
-    from switchyard.common.priority import PriorityClass
-    from switchyard.dispatcher.request import Request
-    from switchyard.dispatcher.scheduler.capacity import StreamSlots
-    from switchyard_harness.testing.capacity import SetLimit
-
-    release = asyncio.Event()
-    engine = GatedEchoEngine(release, lambda req: req.priority is PriorityClass.BATCH)
-    limit = SetLimit(8.0, 2)
-    engine.stream_slots = StreamSlots(limit)
-    config = make_config(**{"scheduler.policy": "fifo", "scheduler.time_slice_ms": 10_000,
-                            "queues.inference.max_batches_in_prefill": 8})
-    service = DispatcherService(config, engine=engine)
-    await service.start()
-    try:
-        loop = service.loop
-        batch = [Request(request_id=f"b{i}", prompt="one two", prompt_tokens=2, max_tokens=2,
-                         priority=PriorityClass.BATCH) for i in range(8)]
-        for req in batch:
-            loop.submit(req)
-        while sum(req.status is RequestStatus.RUNNING for req in batch) < 6:  # 6: two slots held back for CORE
-            await asyncio.sleep(0.001)
-        while loop._wake.is_set():  # the loop decides, then waits again, its wake-up cleared
-            await asyncio.sleep(0.001)
-        limit.limit, limit.reserve = 4.0, 1  # the endpoint backed off below the 6 BATCH streams it runs
-        core = Request(request_id="c0", prompt="one two", prompt_tokens=2, max_tokens=2,
-                       priority=PriorityClass.CORE)
-        loop.submit(core)
-        assert loop._wake.is_set(), "a CORE arrival with its reserved slot free wakes a decision"
-        while core.status is not RequestStatus.RUNNING and not core.is_finished:
-            await asyncio.sleep(0.001)
-        assert [req.status for req in batch[6:]] == [RequestStatus.WAITING] * 2  # still behind the limit
-    finally:
-        release.set()
-        await service.stop()
-
-
 async def test_stream_engine_fans_out_past_batches_in_prefill_up_to_the_concurrency_limit() -> None:
     # workers counts batches in prefill, not streams: 2 workers still give the upstream 3 streams,
     # and the adaptive limit (held at 3 here) is what bounds the streams in flight.

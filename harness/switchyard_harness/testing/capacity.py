@@ -5,8 +5,7 @@ The product's capacity comes from the hardware (``scheduler.capacity``:
 of slots is what ``switchyard bench compare``'s scenario A (one slot: no batching) is
 measured against, and what scheduler tests use to stand in for a KV budget that holds
 exactly that many requests. It implements
-:class:`switchyard.dispatcher.scheduler.capacity.Capacity`. :class:`SetLimit` is an upstream's concurrency limit
-set by hand, for tests of the stream admission under a limit that moved.
+:class:`switchyard.dispatcher.scheduler.capacity.Capacity`.
 """
 
 from __future__ import annotations
@@ -41,23 +40,3 @@ class FixedSlots:
 
 
 __all__ = ["FixedSlots"]
-
-
-class SetLimit:
-    """An upstream concurrency limit a test sets by hand (what an endpoint's limit is after it came down): a
-    :class:`switchyard.dispatcher.scheduler.capacity.ConcurrencyLimit` for
-    :class:`~switchyard.dispatcher.scheduler.capacity.StreamSlots`, measuring nothing.
-
-    Args:
-        limit: streams that may be in flight.
-        reserve: slots of them held back for CORE.
-    """
-
-    def __init__(self, limit: float, reserve: int) -> None:
-        self.limit, self.reserve = limit, reserve
-
-    def admission_limit(self) -> tuple[float, int]:
-        return self.limit, self.reserve
-
-    def note_refused(self) -> None:
-        pass

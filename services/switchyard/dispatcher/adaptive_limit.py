@@ -233,19 +233,16 @@ def refusal_for(priority: PriorityClass, limit: float, in_flight: int, core_in_f
                 reserve: int) -> str | None:
     """The admission rule with CORE headroom (see the module docstring): None when a stream of class
     ``priority`` may start with ``in_flight`` streams (``core_in_flight`` of them CORE) under ``limit``, of
-    which ``reserve`` slots are held back for CORE, else :data:`UPSTREAM_CONCURRENCY` (no class may start) or
-    :data:`UPSTREAM_CORE_RESERVE` (only CORE may: its reserved slots are left, within the limit or past one
-    that came down below the streams in flight). Applied by one owner, the dispatcher's
+    which ``reserve`` slots are held back for CORE, else :data:`UPSTREAM_CONCURRENCY` or
+    :data:`UPSTREAM_CORE_RESERVE`. Applied by one owner, the dispatcher's
     :class:`~switchyard.dispatcher.scheduler.capacity.StreamSlots`, under a pool's sum of the endpoints' limits
     (:class:`switchyard.gateway.pool.PoolLimit`, one reserve for the pool) or one limit's own."""
     whole = int(limit)
-    hold = max(0, reserve - core_in_flight)
     if priority is PriorityClass.CORE:
-        return None if in_flight < whole or hold else UPSTREAM_CONCURRENCY
-    if in_flight >= whole and not hold:
+        return None if in_flight < whole or core_in_flight < reserve else UPSTREAM_CONCURRENCY
+    if in_flight >= whole:
         return UPSTREAM_CONCURRENCY
-    # what is left is CORE's (also past a limit that came down below the streams in flight): the refusal is
-    # the class's, and a CORE request behind this one may start (ConcurrencyCapacity.CLASS_REFUSALS)
+    hold = max(0, reserve - core_in_flight)
     return UPSTREAM_CORE_RESERVE if in_flight >= whole - hold else None
 
 

@@ -111,10 +111,8 @@ class StreamLoop(LoopBase):
 
     def _can_take(self) -> bool:
         """A decision now could start a stream: an admission wave may go into prefill and the limit has a slot,
-        of any class (CORE's reserved ones included, past a limit that came down below the streams in flight
-        too: a CORE request waiting behind a held-back head takes one). CORE's rule is the widest, so its
-        admission by the one rule (:meth:`StreamSlots.admits`) is the question."""
-        return len(self._prefilling) < self.max_prefilling and self.slots.admits(PriorityClass.CORE)
+        of any class (CORE's reserved ones included: a CORE request waiting behind a held-back head takes one)."""
+        return len(self._prefilling) < self.max_prefilling and self.slots.in_flight < int(self.slots.limit)
 
     def _takes_lower_class(self) -> bool:
         """A NORMAL or BATCH arrival could start now: an admission wave may go into prefill and the limit has a
