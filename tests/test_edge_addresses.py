@@ -246,6 +246,7 @@ async def test_a_dispatcher_that_does_not_answer_is_named_without_its_address(tm
     for text in (caught.value.details(), reply.json()["error"]["message"]):
         assert dead not in text and "127.0.0.1" not in text, text
         assert f"dispatcher service unavailable at {HIDDEN}" in text, text
+        assert text.count("hidden]") == text.count(HIDDEN), text  # gRPC's ipv4:127.0.0.1:PORT hidden whole
 
 
 HIDE = [
@@ -281,6 +282,13 @@ HIDE = [
     ("UNAVAILABLE: orchestrator web_2:17:0badc0de stopped while the task was RUNNING (its lease ran out)", "",
      "UNAVAILABLE: orchestrator instance 0badc0de stopped while the task was RUNNING (its lease ran out)"),
     # no address: left as it is (a time, a caller's own id, a setting's name and value)
+    ("task '10.0.0.1-report' (build-10.0.0.1, release-1.2.3.4) not found", "orchestrator",
+     "task '10.0.0.1-report' (build-10.0.0.1, release-1.2.3.4) not found"),
+    # a model id quoted as servers quote it, in an upstream's words: Ollama's "m:tag", vLLM's `m:tag`
+    ('upstream 404 (upstream said \'model "tuned:1234" not found\')', "upstream model",
+     'upstream 404 (upstream said \'model "tuned:1234" not found\')'),
+    ("upstream 404 (upstream said 'The model `tuned:0612` does not exist.')", "upstream model",
+     "upstream 404 (upstream said 'The model `tuned:0612` does not exist.')"),
     ("agent_id: agent 'user:12345' submitted no task (job:1234, max_tokens:4096) at 12:30; "
      "orchestrator.task_time_limit_s.chat = 600 (limits.max_tokens 4096, v1.2.3)", "orchestrator",
      "agent_id: agent 'user:12345' submitted no task (job:1234, max_tokens:4096) at 12:30; "
@@ -329,6 +337,18 @@ def test_grpcs_resolved_form_of_an_own_address_is_hidden_whole(dispatcher_addr, 
     hidden]``)."""
     cfg = load_config("config").with_overrides(**{"orchestrator.dispatcher_addr": dispatcher_addr})
     assert EdgeText.for_config(cfg).text(message, "orchestrator") == shown
+
+
+def test_a_known_address_inside_grpcs_resolved_address_is_hidden_whole():
+    """The default dispatcher_addr (127.0.0.1:50053) is a known address, and gRPC names it ipv4:127.0.0.1:50053
+    when it does not answer: hidden once, not read as ``[address hidden] hidden]``."""
+    edge = EdgeText.for_config(load_config("config").with_overrides(**{
+        "orchestrator.dispatcher_addr": "10.0.0.5:50053", "orchestrator.retrieval_addr": "ipv4:10.0.0.6:50052"}))
+    assert edge.text("dispatcher service unavailable at 10.0.0.5:50053: failed to connect to all addresses; last "
+                     "error: UNKNOWN: ipv4:10.0.0.5:50053: Connection refused; retrieval ipv4:10.0.0.6:50052 too",
+                     "orchestrator") == \
+        f"dispatcher service unavailable at {HIDDEN}: failed to connect to all addresses; last error: UNKNOWN: " \
+        f"{HIDDEN}: Connection refused; retrieval {HIDDEN} too"
 
 
 def test_the_opt_in_shows_addresses_but_never_a_urls_credentials():

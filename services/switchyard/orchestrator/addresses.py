@@ -60,18 +60,18 @@ _GRPC_SCHEME = r"(?:ipv4|ipv6|unix|unix-abstract|vsock)"
 """The schemes of gRPC's resolved addresses."""
 _GRPC_ADDRESS = re.compile(r"\b" + _GRPC_SCHEME + r":(?!" + re.escape(HIDDEN) + r")[^\s'\",;)]*[^\s'\",;):.]")
 """gRPC's resolved addresses in its words: ``ipv4:10.0.0.5:50053``, ``ipv6:%5B::1%5D:50053``, ``unix:/run/s``."""
-_IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?(?![\w.])")
-"""An IPv4 address, port optional."""
+_IPV4 = re.compile(r"(?<![\w.-])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?(?![\w.-])")
+"""An IPv4 address, port optional; not within a name (a caller's ``10.0.0.1-report``, ``build-10.0.0.1``)."""
 _HOST_PORT = re.compile(r"(?<![\w.:/@-])(?:localhost|(?=[\w.-]*[A-Za-z])[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
                         r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)+):\d{2,5}(?![\w.]|:\d)")
 """A host name with a dot (or ``localhost``) and a port: ``model-a.serving.svc:8000``, ``localhost:8400``. A
 name of one label with a port (``vllm-a:8000``) reads as a caller's own id (``user:12345``, ``job:1234``) and
 is left, but for the orchestrator's own settings' (:meth:`EdgeText.for_config`) and in an upstream's error
 (:data:`_ONE_LABEL_HOST_PORT`)."""
-_ONE_LABEL_HOST_PORT = re.compile(r"(?<![\w.:/@'-])(?=[\w-]*[A-Za-z])[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_ONE_LABEL_HOST_PORT = re.compile(r"(?<![\w.:/@'\"`-])(?=[\w-]*[A-Za-z])[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
                                   r":\d{2,5}(?![\w.]|:\d)")
 """A host name of one label with a port (``vllm-a:8000``): an address in an upstream's error, where no caller's
-id is named (a model id is quoted)."""
+id is named (a model id is quoted: ``'m:1234'``, Ollama's ``"m:1234"``, vLLM's ```m:1234```)."""
 _CLUSTER_NAME = re.compile(r"(?<![\w.-])[A-Za-z0-9][\w-]*(?:\.[\w-]+)*\.(?:svc(?:\.cluster\.local)?|cluster\.local"
                            r"|internal|local|lan|localdomain)\b(?![.-]\w)")
 """A host name of a private network without a port: ``vllm.serving.svc.cluster.local``, ``ip-10-0-3-7.ec2.internal``."""
