@@ -321,14 +321,18 @@ def test_json_numbers_written_as_floats_are_the_integers_they_hold():
     assert half.end()[-1].usage is None
 
 
-@pytest.mark.parametrize("index", ["0.5", "true", '"first"', "1e400"])
+LONG_DIGITS = '"%s"' % ("1" * 5000)
+"""A string of more digits than Python's int() reads (4300): no integer, not a ValueError out of the decoder."""
+
+
+@pytest.mark.parametrize("index", ["0.5", "true", '"first"', "1e400", LONG_DIGITS])
 def test_a_choice_index_that_is_no_whole_number_is_refused_by_name(index):
     data = '{"choices":[{"index":%s,"delta":{"content":"x"},"finish_reason":"stop"}]}' % index
     with pytest.raises(StreamProtocolError, match="stream chunk 1 has a choice whose 'index' is not a whole number"):
         StreamDecoder("m").feed(data)
 
 
-@pytest.mark.parametrize("index", ["0.5", "true", '"first"'])
+@pytest.mark.parametrize("index", ["0.5", "true", '"first"', LONG_DIGITS])
 def test_a_tool_call_index_that_is_no_whole_number_is_refused_by_name(index):
     data = ('{"choices":[{"index":0,"delta":{"tool_calls":[{"index":%s,"id":"a","function":{"name":"f"}}]},'
             '"finish_reason":null}]}' % index)
@@ -562,6 +566,7 @@ def test_stream_shapes_seen_in_the_wild_decode(case):
      grpc.StatusCode.UNAVAILABLE),
     ({"message": "oops", "code": 500}, "UpstreamStreamError", grpc.StatusCode.UNAVAILABLE),
     ({"message": "odd", "code": True}, "UpstreamStreamError", grpc.StatusCode.UNAVAILABLE),
+    ({"message": "odd", "code": "4" * 5000}, "UpstreamStreamError", grpc.StatusCode.UNAVAILABLE),  # past int()'s digits
     ({"message": "bad key", "code": 401}, "UpstreamAuthError", grpc.StatusCode.UNAUTHENTICATED),
     ({"message": "no right", "code": 403}, "UpstreamAuthError", grpc.StatusCode.PERMISSION_DENIED),
     ({"message": "no such model", "code": 404}, "BadUpstreamRequest", grpc.StatusCode.NOT_FOUND),

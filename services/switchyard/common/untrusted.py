@@ -41,7 +41,8 @@ def json_integer(value: Any, *, digits: bool = False) -> int | None:
     JSON has one number type: ``0`` and ``0.0`` are the same number, and some servers' serializers write every
     number as a float (``"index": 0.0``, ``"prompt_tokens": 12.0``), so an integral float is its integer. None for a
     non-integral or non-finite float, a boolean (``true`` is no 1), null, and anything else; a string of decimal
-    digits (``"0"``, some proxies quote numbers) only when ``digits``. The one reader of "an integer from an
+    digits (``"0"``, some proxies quote numbers) only when ``digits``, and not past the digits ``int()`` reads
+    (``sys.get_int_max_str_digits()``, 4300: it raised ValueError out of the stream's decoder). The one reader of "an integer from an
     upstream's JSON": a choice's and a tool call's ``index``, ``usage`` counts, an in-stream error's ``code``, a
     model's ``max_model_len``.
     """
@@ -52,7 +53,10 @@ def json_integer(value: Any, *, digits: bool = False) -> int | None:
     if isinstance(value, float):
         return int(value) if math.isfinite(value) and value.is_integer() else None
     if digits and isinstance(value, str) and _DECIMAL.fullmatch(value):
-        return int(value)
+        try:
+            return int(value)
+        except ValueError:  # more digits than int() converts
+            return None
     return None
 
 
