@@ -117,6 +117,9 @@ def test_server_load_reads_its_figures_past_lines_it_does_not_read_and_numbers_t
     mixed = 'vllm:kv_cache_usage_perc{engine="0"} NaN\nvllm:kv_cache_usage_perc{engine="1"} 0.4\n'
     assert parse_server_load(mixed) == ServerLoad(kv_cache_usage=pytest.approx(0.4))
     assert parse_server_load("tgi_queue_size -1\n") == ServerLoad(waiting=0.0)
+    # the format separates a line's tokens by spaces or tabs: a tab after an unlabelled name is read as a space is
+    assert parse_server_load("vllm:num_requests_running\t3\n\t\nvllm:num_requests_waiting\t 1\n") == \
+        ServerLoad(waiting=1.0, running=3.0)
 
 
 async def test_sim_openai_metrics_count_waiting_streams_kv_and_prefix_hits(clean_proxy_env):

@@ -61,14 +61,15 @@ class ServerLoad:
 
 def _wanted_lines(text: str) -> str:
     """The lines of ``text`` that are a sample, or a ``# TYPE`` / ``# HELP`` line, of a metric in :data:`_WANTED`:
-    the metric name is what precedes a line's ``{`` or first blank."""
+    the metric name is what precedes a line's ``{`` or first blank (a space or a tab: the exposition format
+    separates tokens by either)."""
     kept = []
     for line in text.splitlines():
         if line.startswith("#"):
             words = line.split(None, 3)
             if len(words) >= 3 and words[1] in ("TYPE", "HELP") and words[2] in _WANTED:
                 kept.append(line)
-        elif (name := line.split("{", 1)[0].strip().split(" ", 1)[0]) and name in _WANTED:
+        elif (name := next(iter(line.split("{", 1)[0].split()), "")) in _WANTED:  # blanks: spaces or tabs
             kept.append(line)
     return "\n".join(kept) + "\n"
 
