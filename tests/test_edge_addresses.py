@@ -249,6 +249,50 @@ async def test_a_dispatcher_that_does_not_answer_is_named_without_its_address(tm
         assert text.count("hidden]") == text.count(HIDDEN), text  # gRPC's ipv4:127.0.0.1:PORT hidden whole
 
 
+CALLER_IDS = ["run.20241207:0001", "crawler.internal", "api.example.com:443", "10.0.0.1"]
+"""A caller's own ids that read as addresses to the patterns: its errors quote them, and it reads them back."""
+
+
+async def test_a_callers_own_ids_in_its_errors_are_not_hidden(tmp_path):
+    """GetTaskStatus and CancelTask of an unknown task_id or agent_id, on both faces: NOT_FOUND naming the id as
+    the caller wrote it (it read '[address hidden]', the id it needs to tell which lookup failed)."""
+    cfg = load_config("config").with_overrides(**{
+        "dispatcher.engine": "sim", "orchestrator.dispatcher_addr": f"127.0.0.1:{free_port()}",
+        "orchestrator.cpu_executor": "loop", "orchestrator.task_store.sqlite_path": str(tmp_path / "tasks.sqlite3")})
+    orch = OrchestratorService(cfg)
+    face = HttpFace(orch, cfg, port=0)
+    async with running([orch, face], cfg.server) as srv:
+        async with open_channel(f"127.0.0.1:{srv.port}") as channel, \
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            for caller_id in CALLER_IDS:
+                answers = []
+                for call in (stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id=caller_id)),
+                             stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(agent_id=caller_id)),
+                             stub.CancelTask(agent_pb2.CancelTaskRequest(task_id=caller_id))):
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await call
+                    assert caught.value.code() == grpc.StatusCode.NOT_FOUND, caught.value
+                    answers.append(caught.value.details())
+                for reply in (await client.get(f"/api/v1/tasks/{caller_id}"),
+                              await client.get(f"/api/v1/agent/{caller_id}/status"),
+                              await client.post(f"/api/v1/tasks/{caller_id}/cancel")):
+                    assert reply.status_code == 404, reply.text
+                    answers.append(reply.json()["error"]["message"])
+                for text in answers:
+                    assert repr(caller_id) in text and HIDDEN not in text, text
+
+
+def test_a_callers_own_id_is_kept_where_quoted_only():
+    """``keep`` leaves the caller's id where the message quotes it; an unquoted address equal to it is hidden."""
+    edge = EdgeText(show_addresses=False, known=["10.0.0.5:50053"])
+    assert edge.text("task_id: no task 'run.2024:0001' (x)", "orchestrator", keep=["run.2024:0001"]) == \
+        "task_id: no task 'run.2024:0001' (x)"
+    assert edge.text("task_id: no task 'run.2024:0001' (x)", "orchestrator") == f"task_id: no task '{HIDDEN}' (x)"
+    assert edge.text("agent '10.0.0.5:50053': dispatcher service unavailable at 10.0.0.5:50053", "orchestrator",
+                     keep=["10.0.0.5:50053"]) == f"agent '10.0.0.5:50053': dispatcher service unavailable at {HIDDEN}"
+
+
 HIDE = [
     # the gateway's rows: the URL it called, a pool's endpoints, its cooldown
     ("upstream 503 from http://10.0.3.7:8000/v1/chat/completions (upstream said 'x')", "upstream model",

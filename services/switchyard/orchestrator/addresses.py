@@ -31,6 +31,7 @@ from opentelemetry import trace
 from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.grpc_target import dns_name, static_addresses
+from switchyard.common.untrusted import shown as quoted
 from switchyard.orchestrator.taskstore.base import OWNER_NAMED
 
 ERROR_EVENT = "switchyard.error"
@@ -147,10 +148,27 @@ class EdgeText:
         known.append(f"{dram.host}:{dram.port}")
         return cls(orch.show_addresses_to_callers, known)
 
-    def text(self, message: str, hop: str = "") -> str:
+    def text(self, message: str, hop: str = "", keep: Iterable[str] = ()) -> str:
         """``message`` as its caller reads it. ``hop``: the hop that answered the error (``upstream model``,
         ``proxy``, ``dispatcher``, ...; :data:`UPSTREAM_HOPS` name their URLs); "" where no one hop is known (every
-        URL :data:`HIDDEN`)."""
+        URL :data:`HIDDEN`). ``keep``: the caller's own values the message quotes (its task_id, agent_id, model,
+        as ``untrusted.shown`` quotes them), left as they are where quoted so: an id such as ``run.2024:0001`` or
+        ``crawler.internal`` reads as an address to the patterns, and the caller needs it back (an unquoted
+        occurrence, such as a downstream address it equals, is still hidden)."""
+        marks: dict[str, str] = {}
+        if not self.show_addresses:
+            for value in sorted({quoted(v) for v in keep if v}, key=len, reverse=True):  # a longer one first
+                if value in message:
+                    mark = f"'\x00{len(marks)}\x00'"  # quoted: no URL runs into it, and no pattern matches it
+                    message = message.replace(value, mark)
+                    marks[mark] = value
+        shown = self._text(message, hop)
+        for mark, value in marks.items():
+            shown = shown.replace(mark, value)
+        return shown
+
+    def _text(self, message: str, hop: str) -> str:
+        """:meth:`text` without ``keep``."""
         out: list[str] = []
         at = 0
         for found in _URL.finditer(message):
@@ -164,10 +182,10 @@ class EdgeText:
         out.append(self._bare(message[at:], hop))
         return "".join(out)
 
-    def text_kept_on_span(self, message: str, hop: str = "") -> str:
+    def text_kept_on_span(self, message: str, hop: str = "", keep: Iterable[str] = ()) -> str:
         """:meth:`text`, and where it changed ``message``, ``message`` whole on the current span (the call's, or
         the tool's: :data:`ERROR_EVENT`), for the operator."""
-        shown = self.text(message, hop)
+        shown = self.text(message, hop, keep)
         if shown != message:
             trace.get_current_span().add_event(ERROR_EVENT, {"switchyard.error.message": message,
                                                              "switchyard.error.origin": hop or "orchestrator"})

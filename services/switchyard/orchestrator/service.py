@@ -29,7 +29,7 @@ import os
 import signal
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import AsyncIterator, Mapping
+from typing import AsyncIterator, Iterable, Mapping
 
 import grpc
 from opentelemetry import trace
@@ -580,17 +580,17 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             service, target = unready[0]
             raise ServiceUnavailable(service, target, self.readiness.why.get(service) or "not checked yet")
 
-    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, keep: Iterable[str] = ()) -> None:
         """End the call with ``exc``'s status (:func:`abort`), its details as the caller reads them
-        (:meth:`shown`). Always raises."""
-        await abort(context, exc, self.name, shown=self.shown)
+        (:meth:`shown`; ``keep``: the caller's own ids the details quote, :meth:`EdgeText.text`). Always raises."""
+        await abort(context, exc, self.name, shown=lambda details, hop: self.shown(details, hop, keep))
 
-    def shown(self, details: str, hop: str = "") -> str:
+    def shown(self, details: str, hop: str = "", keep: Iterable[str] = ()) -> str:
         """``details`` (an error message of ``hop``) as a caller of either face reads it (:class:`EdgeText`:
-        internal addresses hidden unless ``orchestrator.show_addresses_to_callers``). Where that changes them,
-        the whole message stays in the operator's view: an event on the call's span (``addresses.ERROR_EVENT``) and
-        a log line."""
-        text = self.edge.text_kept_on_span(details, hop)
+        internal addresses hidden unless ``orchestrator.show_addresses_to_callers``; ``keep``: the caller's own
+        ids it quotes, left). Where that changes them, the whole message stays in the operator's view: an event
+        on the call's span (``addresses.ERROR_EVENT``) and a log line."""
+        text = self.edge.text_kept_on_span(details, hop, keep)
         if text != details:
             log.info("a caller was answered with internal addresses hidden (orchestrator.show_addresses_to_callers "
                      "= false); in full, from %s: %s", hop or self.name, details)
@@ -615,7 +615,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             spec = await self._new_task_spec(request, context)
             self._check_ready(spec.workflow)
         except SwitchyardError as exc:
-            await self._abort(context, exc)
+            await self._abort(context, exc, _caller_ids(request))
         self._record_metadata(request.metadata)
         events = event_stream()
         task = asyncio.create_task(self._execute(self._new_task(spec, events.put, context)),
@@ -685,7 +685,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                              expected=lambda e: isinstance(e, SwitchyardError))
             record, accepted = await asyncio.shield(placing)
         except SwitchyardError as exc:
-            await self._abort(context, exc)
+            await self._abort(context, exc, _caller_ids(request))
         if accepted is not None:
             return accepted
         owner = record.tenant_id or DEFAULT_TENANT
@@ -693,15 +693,16 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             if not self._visible_to_caller(record.tenant_id, context):  # nothing said of it but that it is taken
                 await self._abort(context, SwitchyardError(
                     f"task_id: {shown(spec.task_id)} is taken (task ids are one namespace across tenants); use a "
-                    "new task_id, or leave it empty for a random one", grpc.StatusCode.ALREADY_EXISTS))
+                    "new task_id, or leave it empty for a random one", grpc.StatusCode.ALREADY_EXISTS),
+                    _caller_ids(request))
             await self._abort(context, SwitchyardError(
                 f"task_id: {shown(spec.task_id)} already exists under tenant {owner!r}, and this request is tenant "
                 f"{spec.tenant_id!r}; send x-tenant-id: {owner} to get that task, or use a new task_id",
-                grpc.StatusCode.ALREADY_EXISTS))
+                grpc.StatusCode.ALREADY_EXISTS), _caller_ids(request))
         if record.fingerprint != fingerprint(fields):
             await self._abort(context, SwitchyardError(
                 f"task_id: {shown(spec.task_id)} already exists with a different request; resubmit the identical "
-                "request to get that task, or use a new task_id", grpc.StatusCode.ALREADY_EXISTS))
+                "request to get that task, or use a new task_id", grpc.StatusCode.ALREADY_EXISTS), _caller_ids(request))
         live = self._submitted.get(record.task_id)  # this process's state where it holds the task
         state = live.to_status(0).state if live is not None else record.state
         return agent_pb2.Accepted(task_id=record.task_id, queue_position=self._queue_position(record.task_id),
@@ -996,12 +997,13 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         unknown = self._no_task(task_id)
         live = self._submitted.get(task_id)
         if live is not None and not self._visible_to_caller(live.tenant_id, context):
-            await self._abort(context, SwitchyardError(unknown, grpc.StatusCode.NOT_FOUND))
+            await self._abort(context, SwitchyardError(unknown, grpc.StatusCode.NOT_FOUND), (task_id,))
         status = await self._cancel_held(task_id)
         if status is not None:
             return self.edge.status(status)
         if task_id in self._undeleted:  # no task: nothing holds it, and nothing would end it
-            await self._abort(context, SwitchyardError(self._refused_task(task_id), grpc.StatusCode.NOT_FOUND))
+            await self._abort(context, SwitchyardError(self._refused_task(task_id), grpc.StatusCode.NOT_FOUND),
+                              (task_id,))
         try:
             record = await self.tasks.get(task_id)
             if record is None or not self._visible_to_caller(record.tenant_id, context):
@@ -1009,7 +1011,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             if not record.finished:  # another's, or this one's not yet in its backlog (SubmitTask between the two)
                 record = await self._cancel_elsewhere(record, context.time_remaining())
         except SwitchyardError as exc:
-            await self._abort(context, exc)
+            await self._abort(context, exc, (task_id,))
         return self.edge.status(record.to_status())
 
     def _no_task(self, task_id: str) -> str:
@@ -1129,7 +1131,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             try:
                 check_id(value, name, most, key)
             except InvalidArgument as exc:
-                await self._abort(context, exc)
+                await self._abort(context, exc, (task_id, agent_id))
         try:
             edge_tenant(context.invocation_metadata(), self.bearer_tokens())
         except SwitchyardError as exc:
@@ -1155,6 +1157,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             await self._abort(context, SwitchyardError(
                 "task_id: expected the id SubmitTask returned (or agent_id: an agent's latest task)",
                 grpc.StatusCode.INVALID_ARGUMENT))
+        ids = (request.task_id, request.agent_id)  # the caller's own, left as they are in its errors
         await self._check_lookup_ids(context, request.task_id, request.agent_id)
         retention = self.config.orchestrator.task_store.retention_s
         try:
@@ -1165,7 +1168,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             else:
                 record = await self.tasks.latest_of_agent(request.agent_id, tenant)
         except SwitchyardError as exc:
-            await self._abort(context, exc)
+            await self._abort(context, exc, ids)
         if record is not None and not self._visible_to_caller(record.tenant_id, context):
             record = None
         if (record is not None and request.task_id and request.agent_id
@@ -1173,17 +1176,24 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             await self._abort(context, SwitchyardError(
                 f"agent_id: no task {shown(request.task_id)} of agent {shown(request.agent_id)} (the task_id names "
                 "another agent's task; give the task_id alone, or the agent_id alone for its latest task)",
-                grpc.StatusCode.NOT_FOUND))
+                grpc.StatusCode.NOT_FOUND), ids)
         if record is not None and request.task_id and record.task_id in self._undeleted:
-            await self._abort(context, SwitchyardError(self._refused_task(record.task_id), grpc.StatusCode.NOT_FOUND))
+            await self._abort(context, SwitchyardError(self._refused_task(record.task_id), grpc.StatusCode.NOT_FOUND),
+                              ids)
         if record is None:
             await self._abort(context, SwitchyardError(
                 self._no_task(request.task_id) if request.task_id else
                 f"agent_id: agent {shown(request.agent_id)} submitted no task (or none in the last {retention:g} s: "
-                "orchestrator.task_store.retention_s)", grpc.StatusCode.NOT_FOUND))
+                "orchestrator.task_store.retention_s)", grpc.StatusCode.NOT_FOUND), ids)
         live = self._submitted.get(record.task_id)
         return self.edge.status(live.to_status(self._queue_position(record.task_id)) if live is not None
                                 else record.to_status())
+
+
+def _caller_ids(request: agent_pb2.RunTaskRequest) -> tuple[str, ...]:
+    """The ids a new task's caller gave (task_id, agent_id, the x-agent-id header's once applied, model), which its
+    errors quote and it reads back as it wrote them (:meth:`EdgeText.text`'s ``keep``)."""
+    return request.task_id, request.agent_id, request.model
 
 
 class GrpcEdge(agent_pb2_grpc.AgentServiceServicer):
