@@ -322,6 +322,8 @@ def _index_of(choice: dict[str, Any]) -> int | None:
     string of digits too (``"0"``: some proxies quote it), :func:`untrusted.json_integer`; None when it is no
     integer (``0.5``, ``true``, ``"first"``)."""
     raw = choice.get("index", 0)
+    if type(raw) is int:  # noqa: E721 - the index almost every chunk carries (a bool is an int, and no index)
+        return raw
     return 0 if raw is None else untrusted.json_integer(raw, digits=True)
 
 
@@ -340,17 +342,21 @@ def answer_choice(choices: list[Any], where: str, data: str) -> dict[str, Any] |
             another choice, an answer whose index was ``0.5`` or ``true`` failed as "no choice of index 0")
             ("error reading choices").
     """
-    for choice in choices:
+    answer = None
+    for choice in choices:  # one pass: read for every chunk of a stream, each token's
         if not isinstance(choice, dict):
             raise StreamProtocolError(
                 f"error reading choices: {where} has a choice that is not an object: received {snippet(data)}"
             )
-        if _index_of(choice) is None:
+        index = _index_of(choice)
+        if index is None:
             raise StreamProtocolError(
                 f"error reading choices: {where} has a choice whose 'index' is not a whole number "
                 f"(received {snippet(json.dumps(choice.get('index')))}): received {snippet(data)}"
             )
-    return next((c for c in choices if _index_of(c) == 0), None)
+        if index == 0 and answer is None:
+            answer = choice
+    return answer
 
 
 def _whole_characters(carry: str, text: str) -> tuple[str, str]:
@@ -477,7 +483,7 @@ class StreamDecoder:
                 f"received {snippet(data)}"
             )
         choice = answer_choice(choices, f"stream chunk {self.chunks}", data)
-        self.other_choices = self.other_choices or any(c is not choice for c in choices)
+        self.other_choices = self.other_choices or len(choices) > (choice is not None)  # a choice besides it
         if choice is None:
             return []
         events: list[StreamEvent] = []
