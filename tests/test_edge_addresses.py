@@ -283,6 +283,26 @@ async def test_a_callers_own_ids_in_its_errors_are_not_hidden(tmp_path):
                     assert repr(caller_id) in text and HIDDEN not in text, text
 
 
+async def test_a_callers_task_id_in_submits_refusal_is_not_hidden(tmp_path):
+    """SubmitTask's ALREADY_EXISTS (the same task_id, another request) names the task_id as the caller wrote it."""
+    cfg = load_config("config").with_overrides(**{
+        "dispatcher.engine": "sim", "orchestrator.cpu_executor": "loop",
+        "orchestrator.task_store.sqlite_path": str(tmp_path / "tasks.sqlite3")})
+    async with running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server) as disp:
+        orch_cfg = cfg.with_overrides(**{"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}"})
+        async with running([OrchestratorService(orch_cfg)], cfg.server) as srv:
+            async with open_channel(f"127.0.0.1:{srv.port}") as channel:
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                task_id = CALLER_IDS[0]
+                await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id=task_id, payload="hi", task_type="chat",
+                                                               agent_id="a1"))
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id=task_id, payload="other",
+                                                                   task_type="chat", agent_id="a1"))
+    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert f"task_id: {task_id!r} already exists" in caught.value.details(), caught.value.details()
+
+
 def test_a_callers_own_id_is_kept_where_quoted_only():
     """``keep`` leaves the caller's id where the message quotes it; an unquoted address equal to it is hidden."""
     edge = EdgeText(show_addresses=False, known=["10.0.0.5:50053"])
