@@ -30,6 +30,10 @@ def test_retry_after_reads_seconds_http_dates_and_milliseconds() -> None:
     assert retry_after_s({"retry-after-ms": "1500", "retry-after": "9"}) == 1.5  # the finer one wins
     assert retry_after_s({}) is None and retry_after_s({"retry-after": "soon"}) is None
     assert retry_after_s({"retry-after": email.utils.formatdate(now - 60, usegmt=True)}, now=now) == 0.0
+    # a number that is not finite says no wait (an endless one closed the model's calls for good)
+    for endless in ("inf", "Infinity", "1e999", "nan"):
+        assert retry_after_s({"retry-after": endless}) is None, endless
+        assert retry_after_s({"retry-after-ms": endless, "retry-after": "2"}) == 2.0, endless
 
 
 def _rate_limited(seconds: float) -> GatewayError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import email.utils
 import html
+import math
 import re
 import time
 from typing import Any, Mapping
@@ -177,20 +178,17 @@ def retry_after_s(headers: Mapping[str, str], now: float | None = None) -> float
 
 
 def _wait_named(headers: Mapping[str, str], prefix: str, now: float | None) -> float | None:
-    """The wait ``prefix + "retry-after-ms"`` or ``prefix + "retry-after"`` names; None when neither does."""
+    """The wait ``prefix + "retry-after-ms"`` or ``prefix + "retry-after"`` names; None when neither does (a
+    number that is not finite, ``inf`` or ``1e999``, says none: read, it closed the model's calls and froze its
+    endpoint's limit steps for ever)."""
     raw_ms = headers.get(f"{prefix}retry-after-ms")
-    if raw_ms:
-        try:
-            return max(0.0, float(raw_ms) / 1000)
-        except ValueError:
-            pass
+    if raw_ms and (wait_ms := _finite(raw_ms)) is not None:
+        return max(0.0, wait_ms / 1000)
     raw = (headers.get(f"{prefix}retry-after") or "").strip()
     if not raw:
         return None
-    try:
-        return max(0.0, float(raw))
-    except ValueError:
-        pass
+    if (wait := _finite(raw)) is not None:
+        return max(0.0, wait)
     try:
         when = email.utils.parsedate_to_datetime(raw)
     except (TypeError, ValueError):
@@ -198,6 +196,15 @@ def _wait_named(headers: Mapping[str, str], prefix: str, now: float | None) -> f
     if when is None:
         return None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def _finite(text: str) -> float | None:
+    """``text`` as a finite number; None when it is none (not a number, NaN, an infinity)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 _NO_QUOTA = re.compile(r"(?i)insufficient_quota|exceeded your current quota|insufficient (balance|credit)")
