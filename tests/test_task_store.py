@@ -187,10 +187,68 @@ async def test_a_sqlite_file_from_before_agent_ids_gets_the_column_and_keeps_its
     db.close()
     store = SqliteTaskStore(TaskStoreConfig(sqlite_path=str(path)))
     await store.open()
-    assert (await store.get("old-1")).state == agent_pb2.SUCCEEDED
-    await store.create("new-1", "fp", "", agent_id="agent-1")
+    old = await store.get("old-1")
+    assert old.state == agent_pb2.SUCCEEDED and old.spec == ""  # the file gets the spec column too
+    await store.create("new-1", "fp", "", agent_id="agent-1", spec='{"task_id": "new-1"}')
     assert (await store.latest_of_agent("agent-1")).task_id == "new-1"
+    assert (await store.get("new-1")).spec == '{"task_id": "new-1"}'
     await store.close()
+
+
+def adopted_total() -> float:
+    return REGISTRY.get_sample_value("switchyard_tasks_adopted_total")
+
+
+async def test_a_released_or_orphaned_queued_task_is_claimed_by_exactly_one_store_and_a_running_one_fails(make_store):
+    """A QUEUED task that keeps its request is not failed when its owner stops: it is released (a graceful stop)
+    or left to the lease (a kill), and claimed by one live orchestrator with a compare-and-set on the owner. Before,
+    a reader failed both "stopped while the task was QUEUED"."""
+    import asyncio
+
+    orphaned = REGISTRY.get_sample_value("switchyard_tasks_orphaned_total")
+    a = await make_store()
+    spec = '{"task_id": "x"}'
+    for task_id in ("q-rel", "q-dead", "r-dead"):
+        await a.create(task_id, "fp", "", spec=spec)
+    await a.mark_running("r-dead")
+    b, c = await make_store(), await make_store()
+    assert await b.adoptable(10) == []  # a is live and holds them
+    assert await a.release("q-rel")
+    assert not await a.release("r-dead")  # a task that started is never released
+    assert [r.task_id for r in await b.adoptable(10)] == ["q-rel"]
+    assert (await c.get("q-rel")).state == agent_pb2.QUEUED  # a reader leaves it be
+    a._maintenance.cancel()
+    await a._release()  # a dies: its lease is gone
+    assert (await b.get("r-dead")).state == agent_pb2.FAILED  # RUNNING: may have generated tokens; failed as today
+    assert REGISTRY.get_sample_value("switchyard_tasks_orphaned_total") == orphaned + 1
+    assert (await b.get("q-dead")).state == agent_pb2.QUEUED
+    await b.sweep()
+    found_b, found_c = await b.adoptable(10), await c.adoptable(10)
+    assert sorted(r.task_id for r in found_b) == ["q-dead", "q-rel"] and found_b[0].spec == spec
+    claims = await asyncio.gather(*(s.claim(r) for s, found in ((b, found_b), (c, found_c)) for r in found))
+    assert sorted(claims) == [False, False, True, True]  # two stores claiming two tasks at once: one each
+    for task_id in ("q-rel", "q-dead"):
+        owner = (await b.get(task_id)).owner
+        assert owner in (b.owner, c.owner) and (await b.get(task_id)).state == agent_pb2.QUEUED
+        holder = b if owner == b.owner else c
+        assert await holder.mark_running(task_id)
+        assert not await (c if holder is b else b).mark_running(task_id)  # the other must not start it
+    assert await b.adoptable(10) == [] and await c.adoptable(10) == []
+    assert await b.adoptable(0) == []
+    for store in (b, c):
+        await store.close()
+
+
+async def test_a_queued_task_recorded_without_its_request_is_still_failed_when_its_owner_stops(make_store):
+    a = await make_store()
+    await a.create("old-q", "fp", "")  # a record of a build that did not keep requests
+    a._maintenance.cancel()
+    await a._release()
+    b = await make_store()
+    assert await b.adoptable(10) == []
+    record = await b.get("old-q")
+    assert record.state == agent_pb2.FAILED and "stopped while the task was QUEUED" in record.error
+    await b.close()
 
 
 async def test_creates_at_once_are_each_recorded_once_and_a_task_id_given_twice_answers_one_record(make_store):

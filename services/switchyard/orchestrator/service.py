@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
+import json
 import logging
 import multiprocessing
 import os
@@ -70,7 +72,8 @@ from switchyard.orchestrator.taskstore import (
     make_task_store,
     task_status,
 )
-from switchyard.orchestrator.validation import TaskSpec, apply_edge_headers, edge_tenant, validate
+from switchyard.orchestrator.taskstore.base import RELEASED, TASKS_ADOPTED
+from switchyard.orchestrator.validation import TaskSpec, apply_edge_headers, edge_tenant, task_spec_of, validate
 from switchyard.orchestrator.workflows import WORKFLOWS, check_question_fits
 
 log = logging.getLogger(__name__)
@@ -271,6 +274,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             "orchestrator: retrieval at %s, dispatcher at %s, inference_mode %s",
             orch.retrieval_addr, orch.dispatcher_addr, orch.inference_mode,
         )
+        self.tasks.adopt = self._adopt_queued  # every lease_s, after the sweep
+        try:  # the tasks a stopped (or killed) orchestrator left QUEUED: a restart on the same store runs them
+            await self._adopt_queued()
+        except SwitchyardError as exc:
+            log.warning("orchestrator: could not adopt QUEUED tasks at start (tried again every lease_s): %s", exc)
 
     async def _agent_memory(self) -> AgentMemory | None:
         """Agent memory in the DRAM tier's Redis; an unreachable Redis is logged and retried, never fatal."""
@@ -379,9 +387,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             await asyncio.wait(ended)
 
     async def stop(self) -> None:
-        """Stop: no submitted task starts any more; the running ones get ``server.shutdown_grace_s`` to finish,
-        then are cancelled; each, and each still in the backlog, is recorded FAILED naming the stop (a task
-        queue's warm shutdown: what runs finishes, what waits does not start) before the store closes. Cancel
+        """Stop: no submitted task starts any more; each still in the backlog is released, left QUEUED in the
+        store for another orchestrator (or this one restarted) to adopt and run (:meth:`_release`); the running
+        ones get ``server.shutdown_grace_s`` to finish, then are cancelled and recorded FAILED naming the stop (a
+        task queue's warm shutdown: what runs finishes, what waits goes back to the queue) before the store
+        closes. Cancel
         requests other replicas record are carried out until then (the gRPC server is closed by now: the store
         is the one way a CancelTask reaches a task running through its grace)."""
         if self.readiness is not None:
@@ -391,9 +401,13 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             handle.cancel()
         self._restarts.clear()
         for entry in self._submitted.drain_backlog():
+            if entry.first_started_at is None:
+                await self._release(entry)
+                continue
+            # it ran, and was refused for want of room: it may have generated tokens, and never runs twice
             _count_unrun(entry.spec, grpc.StatusCode.CANCELLED)
-            await self._record_finish(entry, agent_pb2.FAILED, b"", "CANCELLED: the orchestrator stopped before the "
-                                      "task started (it was QUEUED); resubmit it under a new task_id")
+            await self._record_finish(entry, agent_pb2.FAILED, b"", "CANCELLED: the orchestrator stopped while the "
+                                      "task waited to start again; resubmit it under a new task_id")
         if started := self._submitted.started():
             await asyncio.wait({e.runner for e in started if e.runner is not None},
                                timeout=self.config.server.shutdown_grace_s)
@@ -719,8 +733,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             SwitchyardError: the store refused the record (UNAVAILABLE), or the backlog filled while it was
                 written (RESOURCE_EXHAUSTED; the record is deleted).
         """
+        kept = json.dumps(dataclasses.asdict(spec), separators=(",", ":"))  # what an adopter starts it from
         record, created = await self.tasks.create(spec.task_id, fingerprint(fields), trace_id, spec.agent_id,
-                                                  spec.tenant_id)
+                                                  spec.tenant_id, kept)
         if not created and spec.task_id in self._undeleted:
             # This orchestrator refused that task and the store kept its record (its delete is tried again
             # later): the record is of no task. Taken away now, and this submit recorded anew; read as the task
@@ -728,15 +743,12 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             await self.tasks.delete(spec.task_id)
             self._undeleted.discard(spec.task_id)
             record, created = await self.tasks.create(spec.task_id, fingerprint(fields), trace_id, spec.agent_id,
-                                                      spec.tenant_id)
+                                                      spec.tenant_id, kept)
         if not created:
             return record, None
-        if self._stopping:  # stop() began while the record was written: it will not start here
-            _count_unrun(spec, grpc.StatusCode.CANCELLED)
-            await self._record_finish(Submitted(spec, trace_id, contextvars.copy_context()), agent_pb2.FAILED, b"",
-                                      "CANCELLED: the orchestrator stopped before the task started; resubmit it "
-                                      "under a new task_id")
-            return record, agent_pb2.Accepted(task_id=spec.task_id, trace_id=trace_id, state=agent_pb2.FAILED)
+        if self._stopping:  # stop() began while the record was written: it will not start here, but elsewhere
+            await self._release(Submitted(spec, trace_id, contextvars.copy_context()))
+            return record, agent_pb2.Accepted(task_id=spec.task_id, trace_id=trace_id, state=agent_pb2.QUEUED)
         if len(self._submitted) >= self.config.orchestrator.max_unfinished_submitted_tasks:
             # others were admitted while the record was written (no await from here on)
             await self._delete_refused(spec.task_id)
@@ -745,6 +757,56 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         self._start_submitted()
         return record, agent_pb2.Accepted(task_id=spec.task_id, queue_position=position, trace_id=trace_id,
                                           state=agent_pb2.QUEUED)
+
+    async def _release(self, entry: Submitted) -> None:
+        """Give up ``entry``, a task that never started here (this orchestrator stops): its record stays QUEUED,
+        released (:meth:`TaskStore.release`), and a live orchestrator on the store adopts it at its next sweep
+        (:meth:`_adopt_queued`); the entry is forgotten. A release the store refuses leaves the record this
+        orchestrator's, adopted once its lease runs out: the task is not lost either way."""
+        task_id = entry.spec.task_id
+        self._submitted.forget(task_id)
+        try:
+            await self.tasks.release(task_id)
+        except SwitchyardError as exc:
+            log.warning("task %s: could not release it (%s); it is adopted once this orchestrator's lease runs out",
+                        task_id, exc)
+
+    async def _adopt_queued(self) -> None:
+        """Adopt the QUEUED tasks that orchestrators which stopped (released them) or lost their lease left in the
+        store, as many as this backlog has room for (``orchestrator.max_unfinished_submitted_tasks``, the bound
+        a submit is refused by), the earliest submitted first; the rest wait for the next sweep or another
+        replica. Each is claimed with a compare-and-set on its owner (:meth:`TaskStore.claim`): of orchestrators
+        sweeping at once, one takes it. It joins the backlog last of its class, its wait counted from its submit.
+        Called at start and after each sweep (every ``task_store.lease_s``).
+
+        Raises:
+            TaskStoreUnavailable: the store could not be read or written.
+        """
+        limit = self.config.orchestrator.max_unfinished_submitted_tasks
+        if self._stopping or self._deps is None:
+            return
+        adopted = 0
+        for record in await self.tasks.adoptable(limit - len(self._submitted)):
+            if self._stopping or len(self._submitted) >= limit:
+                break
+            if not await self.tasks.claim(record):  # another orchestrator took it first
+                continue
+            try:
+                spec = task_spec_of(record.spec)
+            except (ValueError, TypeError) as exc:
+                error = f"INTERNAL: its recorded request could not be read to start it ({exc}); resubmit it"
+                log.error("task %s: %s", record.task_id, error)
+                await self.tasks.finish(record.task_id, agent_pb2.FAILED, error=error)
+                continue
+            entry = Submitted(spec, record.trace_id, contextvars.copy_context())
+            # its wait in the backlog counts from its submit, whichever orchestrator it waited on
+            entry.submitted_at -= max(0.0, time.time() - record.created_at)
+            self._submitted.add(entry)
+            TASKS_ADOPTED.inc()
+            adopted += 1
+        if adopted:
+            log.info("orchestrator: adopted %d QUEUED task(s) of stopped orchestrators", adopted)
+            self._start_submitted()
 
     def _backlog_full(self) -> SwitchyardError:
         """The RESOURCE_EXHAUSTED answer to a SubmitTask refused by a full backlog (``limit`` unfinished tasks
@@ -782,8 +844,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         for want of room goes back to the backlog instead (:meth:`_waits_again`)."""
         entry.started = True
         spec = entry.spec
-        running: asyncio.Future[None] | None = None
-        executing = False
+        executing = adopted_away = False
         entry.waits_again = False
         t0 = time.monotonic()
         if entry.first_started_at is None:
@@ -797,12 +858,18 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             task.trace_id = entry.trace_id
             task.timings = entry.timings  # one Timings: its status shows the task's waits and stages as they come
             entry.task = task  # this run's wait in the backlog is in its timings already (SubmittedTasks.start_next)
-            running = settle(asyncio.create_task(self._record_running(spec.task_id)), expected=lambda e: False)
+            if not await self._record_running(spec.task_id):
+                # another orchestrator adopted it while this one's lease had run out (a stall, a partition from
+                # the store): it runs there, and must not run twice
+                log.warning("task %s: adopted by another orchestrator before it started here; not run here",
+                            spec.task_id)
+                adopted_away = True
+                raise asyncio.CancelledError
             executing = True  # _execute counts the task from here
             final = await self._execute(task, entry)
             state, result, error = agent_pb2.SUCCEEDED, final.SerializeToString(), ""
         except BaseException as exc:  # noqa: BLE001 - recorded for GetTaskStatus
-            if not executing:
+            if not executing and not adopted_away:
                 _count_unrun(spec, grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError)
                              else status_for(exc)[0])
             if isinstance(exc, asyncio.CancelledError):
@@ -824,13 +891,14 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                     self._start_later(self._alone_pause(entry))
             else:
                 self._start_submitted()
-        if entry.waits_again:  # its RUNNING record's write (``running``) is left to finish on its own
+        if adopted_away:  # its record is the adopter's: nothing of it is this orchestrator's to answer or write
+            self._submitted.forget(spec.task_id)
+            return
+        if entry.waits_again:
             log.debug("task %s: %s; it waits again in the backlog, first of its class, and starts when another "
                       "submitted task ends", spec.task_id, error)
             return
         self._settle(entry, state, result, error)  # from here CancelTask no longer cancels it
-        if running is not None:
-            await asyncio.gather(running, return_exceptions=True)
         await self._record_finish(entry, state, result, error)
 
     def _waits_again(self, entry: Submitted, exc: BaseException) -> bool:
@@ -892,11 +960,17 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         own = tokens.tenant_of(authorization)
         return not own or own == (tenant_id or DEFAULT_TENANT)
 
-    async def _record_running(self, task_id: str) -> None:
+    async def _record_running(self, task_id: str) -> bool:
+        """Record RUNNING before the task's first step: from then on no other orchestrator adopts it (a task
+        that may have generated tokens is never run twice). False when the record is another orchestrator's
+        now (it adopted the task). A store that refuses the write is logged and the task runs, as GetTaskStatus
+        answers this process's live state meanwhile; where this orchestrator alone lost the store for longer than
+        ``task_store.lease_s`` (a network partition), another one may have adopted the task as well."""
         try:
-            await self.tasks.mark_running(task_id)
-        except SwitchyardError as exc:  # GetTaskStatus answers this process's live state meanwhile
+            return await self.tasks.mark_running(task_id)
+        except SwitchyardError as exc:
             log.warning("task %s: could not record RUNNING: %s", task_id, exc)
+            return True
 
     @staticmethod
     def _settle(live: Submitted, state: int, result: bytes, error: str) -> None:
@@ -1062,7 +1136,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         UNAVAILABLE naming the owner when none of these came within ``lease_s`` (plus two polls),
         or, sooner, just before the caller's deadline (``caller_left_s``, None: none) so that it hears this."""
         store = self.config.orchestrator.task_store
+        if (cancelled := await self._cancel_unheld(record)) is not None:
+            return cancelled
         await self.tasks.request_cancel(record)
+        asked = record.owner
         started = time.monotonic()
         bound = store.lease_s + 2 * store.cancel_poll_s
         by_caller = caller_left_s is not None and caller_left_s - CANCEL_ANSWER_MARGIN_S < bound
@@ -1076,6 +1153,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 raise SwitchyardError(self._no_task(record.task_id), grpc.StatusCode.NOT_FOUND)
             if current.finished:
                 return current
+            if current.state == agent_pb2.QUEUED and (cancelled := await self._cancel_unheld(current)) is not None:
+                return cancelled  # its holder released it (a stop) or lost its lease meanwhile
+            if current.owner != asked and current.owner != RELEASED:  # adopted meanwhile: ask its new holder
+                await self.tasks.request_cancel(current)
+                asked = current.owner
         waited = time.monotonic() - started
         why = (f"has not ended it within {waited:.3g} s, the call's deadline" if by_caller else
                f"has neither ended it nor lost its lease within {waited:.3g} s "
@@ -1084,6 +1166,19 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             f"task_id: task {shown(record.task_id)} is held by orchestrator {record.owner}, which was asked to "
             f"cancel it and {why}; the request stays recorded: it cancels the task when it reads it",
             grpc.StatusCode.UNAVAILABLE)
+
+    async def _cancel_unheld(self, record: TaskRecord) -> TaskRecord | None:
+        """Cancel a QUEUED task that no live orchestrator holds (released by one that stopped, or of one whose
+        lease ran out): claimed here (:meth:`TaskStore.claim`, so no orchestrator adopts it meanwhile) and recorded
+        FAILED ``CANCELLED: cancelled by CancelTask while QUEUED``; returns the record after it. None when it is
+        held (or another orchestrator adopted it first)."""
+        if not await self.tasks.adoptable_now(record) or not await self.tasks.claim(record):
+            return None
+        with contextlib.suppress(ValueError, TypeError):
+            _count_unrun(task_spec_of(record.spec), grpc.StatusCode.CANCELLED)
+        await self.tasks.finish(record.task_id, agent_pb2.FAILED,
+                                error="CANCELLED: cancelled by CancelTask while QUEUED, before it started")
+        return await self.tasks.get(record.task_id)
 
     async def _carry_out_cancels(self) -> None:
         """Every ``task_store.cancel_poll_s``: cancel the tasks other orchestrators asked this one to (a CancelTask

@@ -17,6 +17,8 @@ else from ``X-Tenant-Id`` (metadata ``x-tenant-id``), else ``default``
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import uuid
 from typing import TYPE_CHECKING
 
@@ -152,6 +154,22 @@ class TaskSpec:
     """Who the task is served for (:func:`edge_tenant`)."""
     max_tokens_asked: int = 0
     """``max_tokens`` as the request sent it: 0 when ``max_tokens`` is the default (a refusal says so)."""
+
+
+def task_spec_of(recorded: str) -> TaskSpec:
+    """The :class:`TaskSpec` a task record keeps (``TaskRecord.spec``: its fields, JSON), what an orchestrator
+    that adopts the task starts it from; a field the record lacks (written by an earlier build) takes its default,
+    one this build does not know (a later build's) is left out.
+
+    Raises:
+        ValueError: ``recorded`` is no JSON object of a TaskSpec's fields.
+        TypeError: a field without a default is missing.
+    """
+    values = json.loads(recorded)
+    if not isinstance(values, dict):
+        raise ValueError(f"expected a JSON object of TaskSpec fields, got {type(values).__name__}")
+    known = {f.name for f in dataclasses.fields(TaskSpec)}
+    return TaskSpec(**{k: v for k, v in values.items() if k in known})
 
 
 def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, default_model: str,

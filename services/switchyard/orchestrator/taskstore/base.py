@@ -4,8 +4,15 @@ A record is written when SubmitTask accepts a task, again when it starts
 running and when it finishes. Each orchestrator holds a **lease** (renewed every
 ``lease_s / 3``); a record names the orchestrator that owns it. A task whose
 owner's lease ran out (the process was killed, or its host died) while the task
-was QUEUED or RUNNING is an **orphan**: the next reader, or the owner-less sweep
-run every ``lease_s``, marks it FAILED with the reason. An owner on the same
+was RUNNING is an **orphan**: the next reader, or the sweep run every
+``lease_s``, marks it FAILED with the reason (it may have generated tokens
+already, and is never run twice). A QUEUED task never started: its record keeps
+the validated request (``spec``), and one whose owner stopped (it **released**
+it: owner :data:`RELEASED`) or lost its lease is **adopted** by a live
+orchestrator, which takes it with a compare-and-set on the owner
+(:meth:`TaskStore.claim`: one of any number of orchestrators trying at once
+gets it) and runs it from its own backlog. A QUEUED record written before
+records kept their request (no ``spec``) is failed as an orphan, as before. An owner on the same
 host and in the same PID namespace whose process no longer exists is known
 dead at once, without waiting for its lease (a restart after ``kill -9``).
 
@@ -30,7 +37,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import grpc
 from prometheus_client import Counter, Histogram
@@ -67,8 +74,16 @@ STORE_DURATION = Histogram(
 )
 TASKS_ORPHANED = Counter(
     "switchyard_tasks_orphaned_total",
-    "Unfinished tasks reported FAILED because the orchestrator that ran them stopped (its lease ran out).",
+    "RUNNING tasks reported FAILED because the orchestrator that ran them stopped (its lease ran out).",
 )
+TASKS_ADOPTED = Counter(
+    "switchyard_tasks_adopted_total",
+    "QUEUED tasks this orchestrator took over from one that stopped (released them) or lost its lease, to run "
+    "them from its own backlog.",
+)
+RELEASED = ""
+"""A record's ``owner`` once its orchestrator gave it up unstarted (a graceful stop): any live orchestrator
+may adopt it at once (:meth:`TaskStore.claim`)."""
 for _op in STORE_OPS:
     STORE_DURATION.labels(_op)
 
@@ -134,6 +149,9 @@ class TaskRecord:
     """The agent that submitted the task (empty: none named); :meth:`TaskStore.latest_of_agent` looks it up."""
     tenant_id: str = ""
     """The task's tenant (empty: a record written before tasks had one, answered as ``default``)."""
+    spec: str = ""
+    """The validated request (``TaskSpec``'s fields, JSON) another orchestrator starts the task from when it
+    adopts it; empty in a record written before records kept it (never adopted: failed as an orphan)."""
     error: str = ""
     result: bytes = b""
     timings: bytes = b""
@@ -204,6 +222,9 @@ class TaskStore(ABC):
         self.owner = new_instance_id()
         self.host = host_id()
         self._maintenance: asyncio.Task[None] | None = None
+        self.adopt: Callable[[], Awaitable[None]] | None = None
+        """Called after each sweep (every ``lease_s``): the orchestrator adopts the QUEUED tasks its backlog has
+        room for (:meth:`adoptable`, :meth:`claim`). Its errors are logged; maintenance goes on."""
 
     # ------------------------------------------------------------------ backend
 
@@ -253,6 +274,16 @@ class TaskStore(ABC):
         """Up to ``limit`` unfinished records of owners other than this one."""
 
     @abstractmethod
+    async def _reassign(self, task_id: str, owner: str, new_owner: str) -> bool:
+        """Set the owner of ``task_id`` to ``new_owner`` if it is ``owner`` and the task is QUEUED, in one atomic
+        step (a compare-and-set); returns whether it was."""
+
+    @abstractmethod
+    async def _queued_of_others(self) -> list[tuple[str, str, float]]:
+        """(task_id, owner, created_at) of every QUEUED record that keeps its request (``spec``) and is owned by
+        another orchestrator than this one, or :data:`RELEASED`."""
+
+    @abstractmethod
     async def _request_cancel(self, task_id: str, owner: str) -> None:
         """Record a cancel request for ``task_id`` addressed to ``owner`` (recording it twice is one request)."""
 
@@ -299,6 +330,7 @@ class TaskStore(ABC):
                 if now - last_sweep >= self.config.lease_s:
                     last_sweep = now
                     await self.sweep()
+                    await self._adopt()
                 if now - last_purge >= min(60.0, self.config.retention_s):
                     last_purge = now
                     await self._purge(time.time())
@@ -307,13 +339,24 @@ class TaskStore(ABC):
             else:
                 outage.worked()
 
+    async def _adopt(self) -> None:
+        if self.adopt is None:
+            return
+        try:
+            await self.adopt()
+        except TaskStoreUnavailable:
+            raise
+        except Exception:  # noqa: BLE001 - the lease must be renewed whatever adoption meets
+            log.exception("task store: adopting the QUEUED tasks of stopped orchestrators failed")
+
     # ------------------------------------------------------------------ operations
 
     async def create(self, task_id: str, fp: str, trace_id: str, agent_id: str = "",
-                     tenant_id: str = "") -> tuple[TaskRecord, bool]:
+                     tenant_id: str = "", spec: str = "") -> tuple[TaskRecord, bool]:
         """Record a QUEUED task owned by this orchestrator, or return the live record under ``task_id``.
 
-        ``agent_id`` (empty: none) makes the task the agent's latest (:meth:`latest_of_agent`).
+        ``agent_id`` (empty: none) makes the task the agent's latest (:meth:`latest_of_agent`). ``spec``: the
+        validated request, JSON (:attr:`TaskRecord.spec`), what an orchestrator that adopts it starts it from.
 
         Returns:
             (record, created): ``created`` is False when ``task_id`` was already taken (compare
@@ -321,7 +364,7 @@ class TaskStore(ABC):
         """
         with STORE_DURATION.labels("create").time():
             return await self._create(TaskRecord(task_id, fp, agent_pb2.QUEUED, self.owner, trace_id=trace_id,
-                                                 agent_id=agent_id, tenant_id=tenant_id))
+                                                 agent_id=agent_id, tenant_id=tenant_id, spec=spec))
 
     async def latest_of_agent(self, agent_id: str, tenant_id: str = DEFAULT_TENANT) -> TaskRecord | None:
         """The task ``tenant_id``'s agent ``agent_id`` submitted last (None when it submitted none within
@@ -346,9 +389,57 @@ class TaskStore(ABC):
                 record = await self._get(task_id)
         return record
 
-    async def mark_running(self, task_id: str) -> None:
+    async def mark_running(self, task_id: str) -> bool:
+        """Record RUNNING; False when the record is no longer this orchestrator's (another adopted it while this
+        one's lease had run out): the task must not run here."""
         with STORE_DURATION.labels("update").time():
-            await self._update(task_id, self.owner, agent_pb2.RUNNING)
+            return await self._update(task_id, self.owner, agent_pb2.RUNNING)
+
+    async def release(self, task_id: str) -> bool:
+        """Give up a QUEUED task of this orchestrator's unstarted (a graceful stop): its owner becomes
+        :data:`RELEASED` and any live orchestrator may adopt it at once. False when it was not this one's or not
+        QUEUED."""
+        with STORE_DURATION.labels("update").time():
+            return await self._reassign(task_id, self.owner, RELEASED)
+
+    async def claim(self, record: TaskRecord) -> bool:
+        """Take ``record``'s task for this orchestrator if its owner is still ``record.owner`` and it is still
+        QUEUED (a compare-and-set: of orchestrators claiming one task at once, one gets it). The caller checked
+        that it is adoptable (:meth:`adoptable_now`)."""
+        with STORE_DURATION.labels("update").time():
+            taken = await self._reassign(record.task_id, record.owner, self.owner)
+        if taken:
+            record.owner = self.owner
+        return taken
+
+    async def adoptable_now(self, record: TaskRecord) -> bool:
+        """Whether ``record`` is a task another orchestrator may adopt: QUEUED, keeping its request, and
+        released or of an orchestrator whose lease ran out (or whose process is gone, on this host)."""
+        return (record.state == agent_pb2.QUEUED and bool(record.spec) and record.owner != self.owner
+                and (record.owner == RELEASED or await self._owner_dead(record.owner)))
+
+    async def adoptable(self, limit: int) -> list[TaskRecord]:
+        """Up to ``limit`` records of QUEUED tasks this orchestrator may adopt (:meth:`adoptable_now`), the
+        earliest submitted first; not yet claimed (:meth:`claim` each)."""
+        if limit <= 0:
+            return []
+        with STORE_DURATION.labels("get").time():
+            queued = await self._queued_of_others()
+        dead: dict[str, bool] = {RELEASED: True}
+        found = []
+        for task_id, owner, created_at in sorted(queued, key=lambda q: q[2]):
+            if owner not in dead:
+                dead[owner] = await self._owner_dead(owner)
+            if dead[owner]:
+                found.append(task_id)
+        records = []
+        for task_id in found:
+            if len(records) >= limit:
+                break
+            record = await self._get(task_id)
+            if record is not None and record.state == agent_pb2.QUEUED and record.spec:
+                records.append(record)
+        return records
 
     async def finish(self, task_id: str, state: int, result: bytes = b"", error: str = "", timings: bytes = b"") -> bool:
         """Record SUCCEEDED (with ``result``) or FAILED (with ``error``); False when the record was not ours."""
@@ -385,6 +476,11 @@ class TaskStore(ABC):
         return lease.host == self.host and lease.pid != os.getpid() and not pid_alive(lease.pid)
 
     async def _fail_if_orphan(self, record: TaskRecord) -> bool:
+        """Fail ``record`` if it is an orphan: RUNNING, or QUEUED with no request kept (a record written before
+        records kept it), under an owner whose lease ran out. A QUEUED task that keeps its request is adopted
+        instead (:meth:`adoptable`); one released is no orphan."""
+        if record.state == agent_pb2.QUEUED and (record.spec or record.owner == RELEASED):
+            return False
         if not await self._owner_dead(record.owner):
             return False
         state = agent_pb2.TaskState.Name(record.state)
@@ -396,6 +492,7 @@ class TaskStore(ABC):
         updated = await self._update(record.task_id, record.owner, agent_pb2.FAILED, error=reason,
                                      finished_at=time.time())
         if updated:
-            TASKS_ORPHANED.inc()
+            if record.state == agent_pb2.RUNNING:
+                TASKS_ORPHANED.inc()
             log.warning("task %s: %s", record.task_id, reason)
         return updated

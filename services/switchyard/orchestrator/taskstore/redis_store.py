@@ -3,8 +3,8 @@
 It uses the DRAM tier's Redis (``memory_policy.toml [dram]``). Keys, under
 ``[dram] key_prefix``:
 
-- ``task:{task_id}``: a hash (fingerprint, state, owner, trace_id, error, result,
-  timings, created_at, updated_at, finished_at); a finished task's hash expires
+- ``task:{task_id}``: a hash (fingerprint, state, owner, trace_id, spec, error, result,
+  timings, created_at, updated_at, finished_at; a hash written before records kept ``spec`` reads it ''); a finished task's hash expires
   ``retention_s`` after it finished;
 - ``agent:{agent_id}:tasks``: a sorted set of the agent's last task_ids by creation time
   (:data:`AGENT_TASKS_KEPT` of them; it expires with the agent's newest task);
@@ -15,7 +15,7 @@ It uses the DRAM tier's Redis (``memory_policy.toml [dram]``). Keys, under
 - ``cancels:{owner}``: a set of the task_ids other orchestrators asked ``owner`` to cancel
   (``SPOP``-ed by the owner; it expires ``3 * lease_s`` after the last request, as a dead owner's would).
 
-Create and update are Lua scripts, so a check and its write are one atomic step
+Create, update and the owner's compare-and-set (release, adopt) are Lua scripts, so a check and its write are one atomic step
 even with several replicas. For tasks to survive a restart of Redis itself, that
 Redis must persist (``appendonly yes``); the embedded Redis of ``switchyard up``
 does not, as it is a cache.
@@ -83,10 +83,20 @@ redis.call('SREM', KEYS[2], ARGV[1])
 return 1
 """
 
+# KEYS: task hash; ARGV: owner, new owner, QUEUED's state number, now
+_REASSIGN = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[1], 'state') ~= ARGV[3] then return 0 end
+local finished = redis.call('HGET', KEYS[1], 'finished_at')
+if finished and finished ~= '' then return 0 end
+redis.call('HSET', KEYS[1], 'owner', ARGV[2], 'updated_at', ARGV[4])
+return 1
+"""
+
 CANCELS_TAKEN = 1000
 """Most cancel requests one :meth:`RedisTaskStore.take_cancels` takes (the rest wait for the next)."""
 
-_FIELDS = ("fingerprint", "state", "owner", "trace_id", "agent_id", "tenant_id", "error", "result", "timings",
+_FIELDS = ("fingerprint", "state", "owner", "trace_id", "agent_id", "tenant_id", "spec", "error", "result", "timings",
            "created_at", "updated_at", "finished_at")
 
 
@@ -102,6 +112,7 @@ def _record(task_id: str, flat: list[bytes] | dict[bytes, bytes]) -> TaskRecord:
         trace_id=values.get("trace_id", b"").decode(),
         agent_id=values.get("agent_id", b"").decode(),
         tenant_id=values.get("tenant_id", b"").decode(),
+        spec=values.get("spec", b"").decode(),
         error=values.get("error", b"").decode(),
         result=values.get("result", b""),
         timings=values.get("timings", b""),
@@ -125,6 +136,7 @@ class RedisTaskStore(TaskStore):
         self._create_script = self.redis.register_script(_CREATE)
         self._update_script = self.redis.register_script(_UPDATE)
         self._delete_script = self.redis.register_script(_DELETE)
+        self._reassign_script = self.redis.register_script(_REASSIGN)
         self._unfinished_key = f"{self.prefix}tasks:unfinished"
         self._finished_key = f"{self.prefix}tasks:finished"
         self._agent_prefix = f"{self.prefix}agent:"
@@ -205,6 +217,30 @@ class RedisTaskStore(TaskStore):
         agent_tasks = self._agent_key(agent.decode(), (tenant or b"").decode()) if agent else ""
         await self._do(self._delete_script(keys=[self._task_key(task_id), self._unfinished_key, agent_tasks],
                                            args=[task_id, owner]))
+
+    async def _reassign(self, task_id: str, owner: str, new_owner: str) -> bool:
+        done = await self._do(self._reassign_script(keys=[self._task_key(task_id)],
+                                                    args=[owner, new_owner, agent_pb2.QUEUED, repr(time.time())]))
+        return bool(done)
+
+    async def _queued_of_others(self) -> list[tuple[str, str, float]]:
+        try:
+            ids = [raw async for raw in self.redis.sscan_iter(self._unfinished_key, count=1000)]
+            queued = []
+            for start in range(0, len(ids), 1000):
+                chunk = ids[start:start + 1000]
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for raw_id in chunk:
+                        key = self._task_key(raw_id.decode())
+                        pipe.hmget(key, "owner", "state", "created_at").hstrlen(key, "spec")
+                    answers = await pipe.execute()
+                for raw_id, (owner, state, created_at), spec_len in zip(chunk, answers[::2], answers[1::2]):
+                    if (owner is not None and spec_len and state is not None and int(state) == agent_pb2.QUEUED
+                            and owner.decode() != self.owner):
+                        queued.append((raw_id.decode(), owner.decode(), float(created_at)))
+            return queued
+        except (RedisError, OSError) as exc:
+            raise TaskStoreUnavailable(self.name, describe_error(exc)) from exc
 
     async def _renew(self, lease: Lease) -> None:
         value = json.dumps({"expires_at": lease.expires_at, "host": lease.host, "pid": lease.pid})

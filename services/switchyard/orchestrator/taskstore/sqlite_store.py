@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from switchyard.api import agent_pb2
 from switchyard.common.config import TaskStoreConfig
 from switchyard.common.tenant import DEFAULT_TENANT
 from switchyard.orchestrator.taskstore.base import Lease, TaskRecord, TaskStore, TaskStoreUnavailable
@@ -64,6 +65,7 @@ CREATE TABLE IF NOT EXISTS tasks (
     trace_id    TEXT NOT NULL DEFAULT '',
     agent_id    TEXT NOT NULL DEFAULT '',
     tenant_id   TEXT NOT NULL DEFAULT '',
+    spec        TEXT NOT NULL DEFAULT '',
     error       TEXT NOT NULL DEFAULT '',
     result      BLOB NOT NULL DEFAULT x'',
     timings     BLOB NOT NULL DEFAULT x'',
@@ -88,8 +90,10 @@ CREATE TABLE IF NOT EXISTS leases (
 # A file written before tasks had an agent_id gets the column (ADD COLUMN keeps its rows).
 AGENT_COLUMN = "ALTER TABLE tasks ADD COLUMN agent_id TEXT NOT NULL DEFAULT ''"
 TENANT_COLUMN = "ALTER TABLE tasks ADD COLUMN tenant_id TEXT NOT NULL DEFAULT ''"
+SPEC_COLUMN = "ALTER TABLE tasks ADD COLUMN spec TEXT NOT NULL DEFAULT ''"
+"""A file written before records kept the validated request: its records read ``spec`` '' (never adopted)."""
 AGENT_INDEX = "CREATE INDEX IF NOT EXISTS tasks_by_agent ON tasks (agent_id, created_at) WHERE agent_id != ''"
-COLUMNS = ("task_id", "fingerprint", "state", "owner", "trace_id", "agent_id", "tenant_id", "error", "result",
+COLUMNS = ("task_id", "fingerprint", "state", "owner", "trace_id", "agent_id", "tenant_id", "spec", "error", "result",
            "timings", "created_at", "updated_at", "finished_at")
 UPDATABLE = frozenset({"error", "result", "timings", "finished_at"})
 CREATE = (f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))}) "
@@ -159,6 +163,8 @@ class SqliteTaskStore(TaskStore):
                 db.execute(AGENT_COLUMN)
             if "tenant_id" not in columns:
                 db.execute(TENANT_COLUMN)
+            if "spec" not in columns:
+                db.execute(SPEC_COLUMN)
             db.execute(AGENT_INDEX)
             db.execute("PRAGMA wal_autocheckpoint = 0")  # see the module docstring
             self._db = db
@@ -348,6 +354,17 @@ class SqliteTaskStore(TaskStore):
     async def _delete(self, task_id: str, owner: str) -> None:
         await self._write(lambda db: db.execute(
             "DELETE FROM tasks WHERE task_id = ? AND owner = ? AND finished_at IS NULL", (task_id, owner)))
+
+    async def _reassign(self, task_id: str, owner: str, new_owner: str) -> bool:
+        # one statement: SQLite's write lock makes the check and the write one step across processes
+        return await self._write(lambda db: db.execute(
+            "UPDATE tasks SET owner = ?, updated_at = ? WHERE task_id = ? AND owner = ? AND state = ? "
+            "AND finished_at IS NULL", (new_owner, time.time(), task_id, owner, agent_pb2.QUEUED)).rowcount == 1)
+
+    async def _queued_of_others(self) -> list[tuple[str, str, float]]:
+        return await self._run(lambda db: db.execute(
+            "SELECT task_id, owner, created_at FROM tasks WHERE finished_at IS NULL AND state = ? AND spec != '' "
+            "AND owner != ?", (agent_pb2.QUEUED, self.owner)).fetchall())
 
     async def _renew(self, lease: Lease) -> None:
         await self._run(lambda db: db.execute(
