@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -30,12 +29,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.no_gpu]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _config_dir(tmp_path: Path, backend: str, dram: dict | None) -> Path:
+def _config_dir(tmp_path: Path, backend: str, dram: dict | None, max_running: int | None = None) -> Path:
     folder = tmp_path / "config"
     shutil.copytree(ROOT / "config", folder)
     path = folder / "switchyard.json"
     data = json.loads(path.read_text())
     data["orchestrator"]["cpu_executor"] = "thread"  # starts faster; the store is what is tested
+    if max_running is not None:
+        data["orchestrator"]["max_running_submitted_tasks"] = max_running
     data["orchestrator"]["task_store"].update(backend=backend, sqlite_path=str(tmp_path / "tasks.sqlite3"))
     path.write_text(json.dumps(data))
     if dram is not None:
@@ -135,8 +136,54 @@ async def test_tasks_accepted_before_kill_9_are_answered_after_restart(backend, 
     for task_id in running_ids:
         status = statuses[task_id]
         assert status.state == agent_pb2.FAILED, status
-        # RUNNING is written to the store beside the task's first step, not before it (no store write on the
-        # task's path): a kill that lands between the two leaves the QUEUED it was accepted as
-        assert re.search(r"stopped while the task was (RUNNING|QUEUED)", status.error), status.error
+        # RUNNING is written to the store before the task's first step (a task recorded QUEUED never started,
+        # and another orchestrator may adopt it)
+        assert "stopped while the task was RUNNING" in status.error, status.error
         assert "resubmit" in status.error
     assert again.task_id == "done-0"
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+async def test_tasks_queued_when_the_orchestrator_is_killed_run_once_after_its_restart(backend, tmp_path, request):
+    """A task accepted but not started when its orchestrator is killed (``kill -9``) keeps its request in the
+    store; the restarted orchestrator adopts it and runs it, once. The one that was running is FAILED as before
+    (it may have generated tokens). Before, every one of them was FAILED "stopped while the task was QUEUED"."""
+    dram = None
+    if backend == "redis":
+        db = request.getfixturevalue("redis_db")
+        dram = {"host": db.host, "port": db.port}
+    config_dir = _config_dir(tmp_path, backend, dram, max_running=1)
+    down = Downstream()
+    down.gate = asyncio.Event()
+    queued = [f"queued-{i}" for i in range(3)]
+    async with running([down], load_config(config_dir).server) as downstream:
+        address = f"127.0.0.1:{downstream.port}"
+        first = Orchestrator(config_dir, address)
+        try:
+            async with open_channel(await first.ready()) as channel:
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="running-0", payload="hello", task_type="chat"))
+                while not down.requests:  # running-0 runs (the bound is 1); the rest wait in the backlog
+                    await asyncio.sleep(0.01)
+                for task_id in queued:
+                    accepted = await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id=task_id, payload="hello",
+                                                                              task_type="chat"))
+                    assert accepted.state == agent_pb2.QUEUED
+        finally:
+            first.kill()
+        down.gate.set()
+
+        second = Orchestrator(config_dir, address)
+        try:
+            async with open_channel(await second.ready()) as channel:
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                statuses = {task_id: await _final_status(stub, task_id) for task_id in ["running-0", *queued]}
+        finally:
+            second.stop()
+    assert statuses["running-0"].state == agent_pb2.FAILED
+    assert "stopped while the task was RUNNING" in statuses["running-0"].error
+    for task_id in queued:
+        assert statuses[task_id].state == agent_pb2.SUCCEEDED, statuses[task_id]
+        assert statuses[task_id].result.output == "The answer."
+    started = [r.request_id.split(":")[0] for r in down.requests]
+    assert sorted(started) == sorted(["running-0", *queued])  # each once
