@@ -430,9 +430,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             if self._unrecorded:
                 log.error("%d task outcome(s) the task store refused are lost with this orchestrator: %s",
                           len(self._unrecorded), ", ".join(sorted(self._unrecorded)[:10]))
-            if self._undeleted:  # QUEUED records of a gone owner: the orphan sweep fails them
-                log.warning("%d refused task(s) keep their records, failed as orphans once this orchestrator's lease "
-                            "runs out: %s", len(self._undeleted), ", ".join(sorted(self._undeleted)[:10]))
+            if self._undeleted:  # QUEUED records of a gone owner, keeping their requests: adopted elsewhere
+                log.warning("%d refused task(s) keep their QUEUED records, which another orchestrator adopts and runs "
+                            "once this one's lease runs out, though their SubmitTask was refused: %s",
+                            len(self._undeleted), ", ".join(sorted(self._undeleted)[:10]))
         await self.tasks.close()
         deps, self._deps = self._deps, None
         if deps is not None:

@@ -16,7 +16,7 @@ yet (``Submitted.final``), so GetTaskStatus answers it from here meanwhile.
 ``switchyard_queue_wait_seconds{queue="submitted", outcome}`` each wait in the backlog, once, by how it ended:
 the task started (admitted), its time limit had passed by then (expired: a task sent back to the backlog by a
 refused run waits against the time limit of its first start), or it left unstarted (cancelled: CancelTask, or
-the orchestrator stopping).
+the orchestrator stopping, which releases it to another orchestrator's backlog, where its next wait is observed).
 """
 
 from __future__ import annotations

@@ -281,7 +281,8 @@ class TaskStoreConfig(_Strict):
     lease_s: float = Field(
         10, gt=0, le=3600,
         description="Lease of an orchestrator on its tasks, seconds, renewed every lease_s / 3; a task whose orchestrator's lease ran out "
-        "while it was unfinished is reported FAILED with the reason.",
+        "while it was RUNNING is reported FAILED with the reason, one still QUEUED is adopted and run by a live "
+        "orchestrator on the store, which looks for such tasks (and those a stopping one released) every lease_s.",
     )
     cancel_poll_s: float = Field(
         0.25, gt=0, le=60,
