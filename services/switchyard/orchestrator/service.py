@@ -792,6 +792,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 break
             if not await self.tasks.claim(record):  # another orchestrator took it first
                 continue
+            if self._stopping or len(self._submitted) >= limit:
+                # stop() began during the claim (its backlog released already), or submits filled the backlog
+                # meanwhile: given back for another sweep or replica
+                await self.tasks.release(record.task_id)
+                break
             try:
                 spec = task_spec_of(record.spec)
             except (ValueError, TypeError) as exc:
