@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import json
 
 import pytest
 from prometheus_client import REGISTRY
@@ -27,6 +29,7 @@ from switchyard.common.config import load_config
 from switchyard.common.server import running
 from switchyard.orchestrator.service import OrchestratorService
 from switchyard.orchestrator.taskstore import make_task_store
+from switchyard.orchestrator.validation import TaskSpec
 
 pytestmark = pytest.mark.no_gpu
 
@@ -206,3 +209,30 @@ async def test_a_released_or_adopted_task_is_answered_and_cancelled_from_any_rep
         down.gate.set()
         assert (await final_state(c.stub, "w-normal")).state == agent_pb2.SUCCEEDED
         assert starts(down) == {"ran": 1, "w-core": 1, "w-normal": 1}  # the cancelled queued ones never started
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+async def test_queued_tasks_of_an_orchestrator_whose_lease_ran_out_are_adopted_by_a_live_one(backend, tmp_path,
+                                                                                              request):
+    """An orchestrator that died without a word (another host's, or hung: no process to find gone) leaves its
+    QUEUED records; once its lease runs out a live orchestrator adopts them at its next sweep. Before, the sweep
+    failed them "stopped while the task was QUEUED"."""
+    adopted_before = adopted_total()
+    settings = {**store_settings(backend, tmp_path, request), "orchestrator.task_store.lease_s": 0.3}
+    async with shared_store(settings) as (down, make):
+        b = await make(**{"orchestrator.max_running_submitted_tasks": 4})
+        gone = make_task_store(b.cfg)  # the dead orchestrator's store: it records tasks, then stops renewing
+        await gone.open()
+        gone._maintenance.cancel()
+        ids = ["lost-0", "lost-1", "lost-2"]
+        for task_id in ids:
+            spec = TaskSpec(task_id=task_id, payload="hello", workflow="chat", priority=agent_pb2.NORMAL,
+                            max_tokens=16, model="", agent_id="")
+            await gone.create(task_id, "fp", "", spec=json.dumps(dataclasses.asdict(spec)))
+        down.gate.set()
+        for task_id in ids:
+            done = await final_state(b.stub, task_id)
+            assert done.state == agent_pb2.SUCCEEDED and done.result.output == "The answer.", done
+        assert starts(down) == {task_id: 1 for task_id in ids}
+        assert adopted_total() == adopted_before + len(ids)
+        await gone.close()
