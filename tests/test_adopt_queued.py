@@ -158,7 +158,9 @@ async def test_two_replicas_sweeping_one_store_run_each_released_task_once(backe
         assert all(len(holders) == 1 for holders in held.values()), held
         down.gate.set()
         await check_ran_once(down, c)
-        assert adopted_total() == adopted_before + len(WAITING)
+        # each adopted once, unless a replica's event loop stalled past its lease on a busy machine: another then
+        # adopts its task too, and the first, whose RUNNING write finds the record taken, does not run it
+        assert adopted_total() >= adopted_before + len(WAITING)
 
 
 async def test_an_adopter_takes_only_what_its_backlog_has_room_for_and_the_rest_later(tmp_path):

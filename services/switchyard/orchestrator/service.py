@@ -391,18 +391,21 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         store for another orchestrator (or this one restarted) to adopt and run (:meth:`_release`); the running
         ones get ``server.shutdown_grace_s`` to finish, then are cancelled and recorded FAILED naming the stop (a
         task queue's warm shutdown: what runs finishes, what waits goes back to the queue) before the store
-        closes. Cancel
-        requests other replicas record are carried out until then (the gRPC server is closed by now: the store
-        is the one way a CancelTask reaches a task running through its grace)."""
+        closes. Cancel requests other replicas record are carried out until then (the gRPC server is closed by
+        now: the store is the one way a CancelTask reaches a task running through its grace)."""
         if self.readiness is not None:
             await self.readiness.stop()
         self._stopping = True
         for handle in self._restarts:
             handle.cancel()
         self._restarts.clear()
-        for entry in self._submitted.drain_backlog():
+        drained = self._submitted.drain_backlog()
+        unstarted = [entry for entry in drained if entry.first_started_at is None]
+        for entry in unstarted:  # forgotten at once: a status read meanwhile answers the store's QUEUED
+            self._submitted.forget(entry.spec.task_id)
+        await asyncio.gather(*(self._release(entry) for entry in unstarted))  # one group commit in SQLite
+        for entry in drained:
             if entry.first_started_at is None:
-                await self._release(entry)
                 continue
             # it ran, and was refused for want of room: it may have generated tokens, and never runs twice
             _count_unrun(entry.spec, grpc.StatusCode.CANCELLED)

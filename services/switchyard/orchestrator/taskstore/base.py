@@ -223,8 +223,11 @@ class TaskStore(ABC):
         self.host = host_id()
         self._maintenance: asyncio.Task[None] | None = None
         self.adopt: Callable[[], Awaitable[None]] | None = None
-        """Called after each sweep (every ``lease_s``): the orchestrator adopts the QUEUED tasks its backlog has
-        room for (:meth:`adoptable`, :meth:`claim`). Its errors are logged; maintenance goes on."""
+        """Started after each sweep (every ``lease_s``) unless the last one still runs: the orchestrator adopts
+        the QUEUED tasks its backlog has room for (:meth:`adoptable`, :meth:`claim`). It runs beside maintenance,
+        not in it: thousands of claims must not hold up the lease's renewal (a lease run out meanwhile lets the
+        others adopt this one's tasks). Its errors are logged."""
+        self._adopting: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ backend
 
@@ -306,11 +309,12 @@ class TaskStore(ABC):
 
     async def close(self) -> None:
         """Stop maintenance and release the lease (the caller has finished or failed its own tasks)."""
-        if self._maintenance is not None:
-            self._maintenance.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._maintenance
-            self._maintenance = None
+        for task in (self._maintenance, self._adopting):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._maintenance = self._adopting = None
         with contextlib.suppress(TaskStoreUnavailable):
             await self._release()
         await self._close()
@@ -330,7 +334,8 @@ class TaskStore(ABC):
                 if now - last_sweep >= self.config.lease_s:
                     last_sweep = now
                     await self.sweep()
-                    await self._adopt()
+                    if self.adopt is not None and (self._adopting is None or self._adopting.done()):
+                        self._adopting = asyncio.create_task(self._adopt(), name="task-store-adoption")
                 if now - last_purge >= min(60.0, self.config.retention_s):
                     last_purge = now
                     await self._purge(time.time())
@@ -340,13 +345,12 @@ class TaskStore(ABC):
                 outage.worked()
 
     async def _adopt(self) -> None:
-        if self.adopt is None:
-            return
+        assert self.adopt is not None
         try:
             await self.adopt()
-        except TaskStoreUnavailable:
-            raise
-        except Exception:  # noqa: BLE001 - the lease must be renewed whatever adoption meets
+        except TaskStoreUnavailable as exc:  # the maintenance's own outage log says the store is down
+            log.debug("task store: adoption stopped by the store: %s", exc)
+        except Exception:  # noqa: BLE001 - tried again at the next sweep
             log.exception("task store: adopting the QUEUED tasks of stopped orchestrators failed")
 
     # ------------------------------------------------------------------ operations
