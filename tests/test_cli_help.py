@@ -102,6 +102,15 @@ def test_serve_names_the_option_a_refused_port_came_from(capfd, args, message):
     assert "overrides" not in err
 
 
+def _sigint_as_a_terminal_gives_it() -> None:
+    """In the child, before exec: SIGINT default and unblocked (a disposition set to ignore, and a blocked mask,
+    are kept across exec; a handler is not)."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_a_command_with_status_130_and_no_traceback():
     """SIGINT while `switchyard profile` waits on an endpoint that never answers: exit 130, nothing on stderr but
     what the command said; bench run, bench http and profile printed a KeyboardInterrupt traceback."""
@@ -116,9 +125,12 @@ def test_ctrl_c_stops_a_command_with_status_130_and_no_traceback():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "services"), str(root / "harness")])}
     with socket.create_server(("127.0.0.1", 0)) as silent:  # takes the connection, never answers
         port = silent.getsockname()[1]
+        # the command starts with SIGINT as a terminal's shell gives it (default, unblocked), whatever this
+        # process inherited or a test before set: the suite started in the background has it ignored
+        parent = signal.getsignal(signal.SIGINT)
         proc = subprocess.Popen([sys.executable, "-m", "switchyard.cli", "profile", f"127.0.0.1:{port}",
                                  "--seconds", "30"], cwd=root, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_as_a_terminal_gives_it)
         try:
             silent.settimeout(60)
             connection, _ = silent.accept()  # the command is now waiting on its answer
@@ -127,5 +139,5 @@ def test_ctrl_c_stops_a_command_with_status_130_and_no_traceback():
                 out, err = proc.communicate(timeout=60)
         finally:
             proc.kill()
-    assert proc.returncode == 130, (proc.returncode, err)
+    assert proc.returncode == 130, (proc.returncode, err, f"SIGINT here: {parent}")
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
