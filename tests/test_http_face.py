@@ -834,13 +834,12 @@ async def test_run_answers_an_event_stream_only_to_a_client_that_takes_one_else_
 
 async def test_every_route_refuses_an_accept_that_takes_none_of_its_answer_and_the_openapi_document_says_so():
     """The JSON routes answered JSON to a client that said it takes none (Accept: text/event-stream on /submit,
-    text/html on the status routes and probes): 406 naming what each answers; HEAD as GET; nothing submitted.
-    The OpenAPI document lists the 406 on every operation, naming its media type."""
+    text/html on the status routes): 406 naming what each answers; HEAD as GET; nothing submitted. The OpenAPI
+    document lists the 406 on every operation but the probes', naming its media type."""
     async with http_stack() as (client, _stub, down):
         for method, path in (("POST", "/api/v1/agent/submit"), ("GET", "/api/v1/tasks/t-1"),
                              ("HEAD", "/api/v1/tasks/t-1"), ("GET", "/api/v1/agent/a/status"),
-                             ("POST", "/api/v1/tasks/t-1/cancel"), ("GET", "/openapi.json"), ("GET", "/healthz"),
-                             ("GET", "/readyz")):
+                             ("POST", "/api/v1/tasks/t-1/cancel"), ("GET", "/openapi.json")):
             reply = await client.request(method, path, json=FIELD_BODY if method == "POST" else None,
                                          headers={"Accept": "text/event-stream, text/html"})
             assert reply.status_code == 406, (method, path, reply.status_code, reply.text)
@@ -854,9 +853,22 @@ async def test_every_route_refuses_an_accept_that_takes_none_of_its_answer_and_t
         doc = (await client.get("/openapi.json", headers={"Accept": "application/json"})).json()
         for path, item in doc["paths"].items():
             for method, op in item.items():
-                assert "406" in op["responses"], (path, method)
+                assert ("406" in op["responses"]) == (path not in ("/healthz", "/readyz")), (path, method)
         assert "text/event-stream" in doc["paths"]["/api/v1/agent/run"]["post"]["responses"]["406"]["description"]
-        assert "application/json" in doc["paths"]["/healthz"]["get"]["responses"]["406"]["description"]
+        assert "application/json" in doc["paths"]["/api/v1/tasks/{task_id}"]["get"]["responses"]["406"]["description"]
+
+
+async def test_the_probes_answer_a_health_checker_whatever_its_accept():
+    """A health checker sends the Accept it is configured with (an uptime monitor's text/html, say): the probes'
+    answer is their status, not negotiated; a healthy face read 406 and was taken out of service."""
+    async with http_stack() as (client, _stub, _down):
+        for path in ("/healthz", "/readyz"):
+            for accept in ("text/html", "text/plain;q=1, text/event-stream"):
+                reply = await client.get(path, headers={"Accept": accept})
+                assert reply.status_code in (200, 503), (path, accept, reply.status_code, reply.text)
+        doc = (await client.get("/openapi.json")).json()
+        assert "406" not in doc["paths"]["/healthz"]["get"]["responses"]
+        assert "406" not in doc["paths"]["/readyz"]["get"]["responses"]
 
 
 def test_a_token_event_is_the_same_json_as_every_other_event_gets():

@@ -28,7 +28,8 @@ required, and ``agent_id`` in the body or as ``X-Agent-Id`` (http_models.py).
 Each route answers one media type (:data:`ANSWERS`: ``/run`` text/event-stream, every other route
 application/json); a request whose ``Accept`` takes none of it (``Accept: application/json`` on ``/run``) is
 refused 406 before its body is read, naming the header and the media type; no Accept header, or one taking
-``*/*``, is served as before. Errors are JSON on every route.
+``*/*``, is served as before; the probes (``/healthz``, ``/readyz``) answer whatever the Accept. Errors are JSON on
+every route.
 
 Errors answer ``{"error": {"code", "message", "origin"}}`` (the message as the gRPC edge words it, internal
 addresses hidden unless ``orchestrator.show_addresses_to_callers``: orchestrator/addresses.py) with the HTTP status
@@ -88,7 +89,7 @@ from switchyard.common.server import GRPC_SERVICES, Drains, HealthOwner
 from switchyard.common.tasks import settle
 from switchyard.common.untrusted import duplicate_key, shown
 from switchyard.orchestrator.http_models import (CORS_REQUEST_HEADERS, EVENT_STREAM, EXPECTED, INT32_MAX, INT32_MIN,
-                                                  TaskRequest, describe_error, message_dict, openapi, state_name,
+                                                  PROBE_PATHS, TaskRequest, describe_error, message_dict, openapi, state_name,
                                                   status_json)
 from switchyard.orchestrator.metrics import CLIENT_WRITE_TIMEOUTS
 from switchyard.orchestrator.validation import AGENT_ID_HEADER, parse_priority
@@ -758,9 +759,10 @@ class HttpFace(Drains, HealthOwner):
     def _not_acceptable(self, request: web.Request) -> web.Response | None:
         """The 406 answer of a route whose answer's media type (:data:`ANSWERS`) the request's ``Accept`` does not
         take (RFC 9110 section 15.5.7: ``Accept: application/json`` on ``/run`` was answered an event stream
-        anyway); None when it does, or for a CORS preflight (which runs nothing) or an unknown path."""
+        anyway); None when it does, or for a CORS preflight (which runs nothing), a probe (:data:`PROBE_PATHS`) or
+        an unknown path."""
         route = request.match_info.route.name
-        if request.method == "OPTIONS" or route not in ANSWERS:
+        if request.method == "OPTIONS" or route not in ANSWERS or ROUTES[route][1] in PROBE_PATHS:
             return None
         media, accept = ANSWERS[route], request.headers.getall("Accept", [])
         if acceptable(accept, media):

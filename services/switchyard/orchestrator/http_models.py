@@ -31,6 +31,12 @@ from switchyard.common.priority import LABELS, LABELS_EXPECTED, ClassLabel
 EVENT_STREAM = "text/event-stream"
 """The media type of RunTask's answer over HTTP (Server-Sent Events); every other answer is JSON."""
 
+PROBE_PATHS = ("/healthz", "/readyz")
+"""The probes' paths: their status is the answer (200 or 503), read by health checkers (Kubernetes, load balancers,
+uptime monitors) that send whatever Accept they are configured with, so it is not negotiated: a checker sending
+``Accept: text/html`` read 406 from a healthy face and took it out of service (RFC 9110 section 12.5.1 lets a
+server disregard Accept)."""
+
 MIB = 1 << 20
 
 StateName = Literal["unspecified", "queued", "running", "finished", "failed"]
@@ -470,8 +476,9 @@ def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars:
         "responses": {"200": {"description": "The OpenAPI document", "content": {"application/json": {
             "schema": {"type": "object", "required": ["openapi", "paths"]}}}}, **face_errors},
     }}
-    for operations in document["paths"].values():
-        for operation in operations.values():  # each answers one media type: an Accept that takes none of it is 406
+    for path, operations in document["paths"].items():
+        # each answers one media type: an Accept that takes none of it is 406, but at a probe (PROBE_PATHS)
+        for operation in ([] if path in PROBE_PATHS else operations.values()):
             answers = [media for status, answer in operation["responses"].items() if status.startswith("2")
                        for media in answer.get("content", {})]
             media = answers[0] if answers else "application/json"
