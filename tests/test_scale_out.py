@@ -3,6 +3,7 @@ and a dispatcher killed with SIGKILL takes no task down with it (the others serv
 
 from __future__ import annotations
 
+import json
 import asyncio
 import os
 import re
@@ -52,6 +53,10 @@ async def run_tasks(address: str, n: int, concurrency: int = 6) -> list[agent_pb
 @pytest.fixture(scope="module")
 def three(pydoc_index_dir, tmp_path_factory):
     config = loop_executor_config(tmp_path_factory.mktemp("scale-out"))  # these test the dispatchers, not the pool
+    # the operator's view (switchyard bench fault's): a cut stream's error names the replica's address
+    settings = json.loads((config / "switchyard.json").read_text())
+    settings["orchestrator"]["show_addresses_to_callers"] = True
+    (config / "switchyard.json").write_text(json.dumps(settings))
     stack = UpStack(pydoc_index_dir, args=("--dispatchers", "3", "--config-dir", str(config)))
     stack.wait_ready()
     yield stack

@@ -11,7 +11,8 @@ beside them, SIGKILLs one dispatcher at ``--kill-at`` seconds, and reports:
   whether it had streamed tokens. The promise: calls that had streamed nothing
   are tried again on another replica (``switchyard_dispatcher_retries_total``)
   and succeed; calls cut mid-stream fail UNAVAILABLE naming the killed
-  replica's address;
+  replica's address (the bench's stack shows addresses to its callers, the operator:
+  :func:`operator_config`);
 - recovery: from the kill until calls started after it no longer fail (the
   start of the last failing call that began after the kill; 0 when none did),
   and how the calls started in the 2 s after the kill fared;
@@ -24,11 +25,14 @@ Needs the retrieval index (``make index``, or ``--index-dir``), as ``switchyard 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import asyncio
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -40,6 +44,7 @@ import grpc
 from switchyard_harness import json_output
 from switchyard.common import outputs
 from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common import envs
 from switchyard.common.channels import open_channel
 from switchyard.launcher import UpProcess
 from switchyard_harness.top import read as read_metrics
@@ -210,6 +215,19 @@ async def run_fault(orchestrator: str, dispatchers: dict[str, tuple[str, str, in
     return report
 
 
+def operator_config(folder: Path) -> Path:
+    """A copy of the config folder (``SWITCHYARD_CONFIG_DIR``, else ``config/``) in ``folder`` whose orchestrator
+    shows addresses to its callers (``orchestrator.show_addresses_to_callers``): the bench is the operator's, and
+    counts the cut streams whose error names the killed replica's address, which callers otherwise read hidden."""
+    config = folder / "config"
+    shutil.copytree(envs.SWITCHYARD_CONFIG_DIR.get(), config)
+    path = config / "switchyard.json"
+    settings = json.loads(path.read_text())
+    settings.setdefault("orchestrator", {})["show_addresses_to_callers"] = True
+    path.write_text(json.dumps(settings))
+    return config
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``switchyard bench fault``."""
     parser = argparse.ArgumentParser(prog="switchyard bench fault", description=__doc__,
@@ -234,7 +252,9 @@ def main(argv: list[str]) -> int:
             parser.error(f"{flag}: expected at least {least}, got {value}")
     if not 0 < args.kill_at < args.duration:
         parser.error(f"--kill-at: expected between 0 and --duration ({args.duration}), got {args.kill_at}")
-    stack = UpProcess(args.index_dir, args=("--dispatchers", str(args.dispatchers)))
+    folder = tempfile.TemporaryDirectory()
+    stack = UpProcess(args.index_dir, args=("--dispatchers", str(args.dispatchers),
+                                            "--config-dir", str(operator_config(Path(folder.name)))))
     try:
         if not stack.started(300):
             print("switchyard bench fault: the stack did not become healthy:\n" + "".join(stack.lines), file=sys.stderr)
@@ -248,6 +268,7 @@ def main(argv: list[str]) -> int:
         ))
     finally:
         stack.stop()
+        folder.cleanup()
     print("\n".join(report.lines()))
     for line in report.other_failures[:5] + report.submitted_errors[:5]:
         print(f"    {line}")
