@@ -554,7 +554,8 @@ def _failure_lines(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == "switchyard.orchestrator.service" and "failed" in r.getMessage()]
 
 
-async def _until_finished(stub, task_id: str) -> agent_pb2.TaskStatus:
+async def final_status(stub, task_id: str) -> agent_pb2.TaskStatus:
+    """``task_id``'s status once SUCCEEDED or FAILED, read by GetTaskStatus every 20 ms (a hang guard of 10 s)."""
     for _ in range(500):
         status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id=task_id))
         if status.state in (agent_pb2.SUCCEEDED, agent_pb2.FAILED):
@@ -576,7 +577,7 @@ async def test_an_internal_error_of_another_hop_is_one_warning_line_not_this_ser
             await collect(stub, payload="hello", task_type="chat", task_id="garbage-run")
         assert failed.value.code() == grpc.StatusCode.INTERNAL
         await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="garbage-sub", payload="hello", task_type="chat"))
-        status = await _until_finished(stub, "garbage-sub")
+        status = await final_status(stub, "garbage-sub")
     assert status.error.startswith("INTERNAL: ") and "not JSON" in status.error
     lines = _failure_lines(caplog)
     assert [(r.levelno, r.exc_info) for r in lines] == [(logging.WARNING, None)] * 2, \
@@ -600,7 +601,7 @@ async def test_a_fault_of_the_orchestrator_itself_is_logged_with_its_traceback_o
             await collect(stub, payload="hello", task_type="chat", task_id="bug-run")
         assert failed.value.code() == grpc.StatusCode.INTERNAL
         await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="bug-sub", payload="hello", task_type="chat"))
-        status = await _until_finished(stub, "bug-sub")
+        status = await final_status(stub, "bug-sub")
     assert status.error == "INTERNAL: TypeError: a bug in a workflow"
     lines = _failure_lines(caplog)
     assert [r.levelno for r in lines] == [logging.ERROR] * 2, [(r.levelname, r.getMessage()) for r in lines]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from redis_fixtures import free_port, redis_db, redis_server  # noqa: F401
-from test_orchestrator import Downstream
+from test_orchestrator import Downstream, final_status
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
@@ -79,15 +79,6 @@ class Orchestrator:
             self.proc.wait(30)
 
 
-async def _final_status(stub, task_id: str) -> agent_pb2.TaskStatus:
-    for _ in range(500):
-        status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id=task_id))
-        if status.state in (agent_pb2.SUCCEEDED, agent_pb2.FAILED):
-            return status
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{task_id} never finished: {status}")
-
-
 @pytest.mark.parametrize("backend", ["sqlite", "redis"])
 async def test_tasks_accepted_before_kill_9_are_answered_after_restart(backend, tmp_path, request):
     dram = None
@@ -106,7 +97,7 @@ async def test_tasks_accepted_before_kill_9_are_answered_after_restart(backend, 
                 for task_id in done:
                     await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id=task_id, payload="hello", task_type="chat"))
                 for task_id in done:
-                    assert (await _final_status(stub, task_id)).state == agent_pb2.SUCCEEDED
+                    assert (await final_status(stub, task_id)).state == agent_pb2.SUCCEEDED
                 down.gate = asyncio.Event()  # the next tasks hang in Generate: RUNNING when the process dies
                 running_ids = [f"running-{i}" for i in range(5)]
                 for task_id in running_ids:
@@ -177,7 +168,7 @@ async def test_tasks_queued_when_the_orchestrator_is_killed_run_once_after_its_r
         try:
             async with open_channel(await second.ready()) as channel:
                 stub = agent_pb2_grpc.AgentServiceStub(channel)
-                statuses = {task_id: await _final_status(stub, task_id) for task_id in ["running-0", *queued]}
+                statuses = {task_id: await final_status(stub, task_id) for task_id in ["running-0", *queued]}
         finally:
             second.stop()
     assert statuses["running-0"].state == agent_pb2.FAILED
