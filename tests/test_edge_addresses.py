@@ -471,3 +471,24 @@ async def test_an_orphaned_tasks_error_names_its_orchestrator_by_tag_not_host_an
         assert text.startswith(f"UNAVAILABLE: orchestrator instance {tag} stopped while the task was QUEUED"), text
         assert f"{host}:{pid}" not in text and f":{pid}:" not in text, text
     assert f"orchestrator {gone.owner} stopped" in record.error  # the store keeps it whole
+
+
+@pytest.mark.parametrize("address, hop", [
+    ("http://10.0.3.7:8000/v1/chat/completions", "upstream model"),
+    ("10.0.0.5:50053", "orchestrator"),
+    ("ip-10-0-3-7.ec2.internal", "dispatcher"),
+])
+def test_a_message_cut_to_the_status_bound_shows_no_part_of_an_address(address, hop):
+    """Status details are cut to ``MAX_DETAILS_CHARS`` (gRPC's trailer limit); the HTTP face and the stored
+    errors GetTaskStatus reads back cut before the edge hides addresses. Wherever the bound falls in the address,
+    no part of it reaches the tenant: the cut leaves the word out whole."""
+    from switchyard.common.errors import MAX_DETAILS_CHARS, bounded
+    edge = EdgeText(show_addresses=False)
+    for inside in range(len(address) + 1):
+        lead = "x " * ((MAX_DETAILS_CHARS - inside) // 2) + "y" * ((MAX_DETAILS_CHARS - inside) % 2)
+        message = f"{lead}{address} " + "and then more words after it " * 10
+        cut = bounded(message)
+        assert len(cut) < len(message) and cut.endswith(f"(cut from {len(message)} characters)")
+        shown = edge.text(cut, hop)
+        for part in ("10.0.3.7", "10.0.0.5", "ip-10-0", ":8000", ":50053", "10.0", "ec2"):
+            assert part not in shown, (inside, shown[-80:])

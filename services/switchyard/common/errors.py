@@ -14,6 +14,7 @@ stream cut or a dead proxy is therefore never blamed on a healthy dispatcher.
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import grpc
@@ -231,7 +232,16 @@ of the status sent."""
 
 
 def bounded(details: str) -> str:
-    """``details`` cut to :data:`MAX_DETAILS_CHARS`, saying so."""
+    """``details`` cut to at most :data:`MAX_DETAILS_CHARS` characters, saying so. The cut falls between words
+    where it can: a word (an address, a URL) is kept whole or left out whole, never shown in part, so that a
+    cut message still reads whole to whatever rewrites its words after (the edge hiding internal addresses,
+    orchestrator/addresses.py); a first word longer than the bound is cut where the bound falls."""
     if len(details) <= MAX_DETAILS_CHARS:
         return details
-    return f"{details[:MAX_DETAILS_CHARS]}... (cut from {len(details)} characters)"
+    head = details[:MAX_DETAILS_CHARS]
+    if not details[MAX_DETAILS_CHARS].isspace():  # the bound falls inside a word: leave that word out
+        head = _LAST_WORD.sub("", head) or head
+    return f"{head.rstrip()} ... (cut from {len(details)} characters)"
+
+
+_LAST_WORD = re.compile(r"\S+\Z")
