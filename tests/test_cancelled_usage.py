@@ -159,7 +159,7 @@ async def test_a_task_past_its_time_limit_in_front_of_a_slow_model_server_report
                 await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="slow", payload="Explain the with statement.",
                                                                task_type="chat", max_tokens=64))
                 status = await final_state(stub, "slow")
-    assert status.state == agent_pb2.FAILED and status.error.startswith("DEADLINE_EXCEEDED: task slow ran out of time")
+    assert status.state == agent_pb2.FAILED and status.error.startswith("DEADLINE_EXCEEDED: task 'slow' ran out of time")
     assert status.compute_score_used > 0
     assert status.timings.queue_wait_s["inference"] > 0
 

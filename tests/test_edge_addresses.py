@@ -492,3 +492,20 @@ def test_a_message_cut_to_the_status_bound_shows_no_part_of_an_address(address, 
         shown = edge.text(cut, hop)
         for part in ("10.0.3.7", "10.0.0.5", "ip-10-0", ":8000", ":50053", "10.0", "ec2"):
             assert part not in shown, (inside, shown[-80:])
+
+
+def test_a_tenants_task_id_that_reads_like_an_address_comes_back_in_its_deadline_errors():
+    """A task id such as ``run.2024:0001`` reads as a host and port to the patterns. The errors of a task that ran
+    out of time or was refused early quote it, and the tenant reads it back whole, from RunTask's status (its
+    ids kept) and from the stored error GetTaskStatus reads; the model server's address beside it is hidden."""
+    from switchyard.common.errors import TaskDeadlineExceeded, TaskRefusedEarly
+    edge = EdgeText(show_addresses=False)
+    task_id = "run.2024:0001"
+    late = TaskDeadlineExceeded(task_id, 10, "orchestrator.task_time_limit_s.chat = 10",
+                                "the model server at http://10.0.3.7:8000/v1 (model m) for 4 s")
+    early = TaskRefusedEarly(task_id, 0.5, 2.0, 1, 0.1)
+    for exc in (late, early):
+        stored = agent_pb2.TaskStatus(task_id=task_id, error=f"DEADLINE_EXCEEDED: {exc}")
+        read = edge.status(stored).error
+        assert f"task '{task_id}' " in read and "10.0.3.7" not in read, read
+        assert f"task '{task_id}' " in edge.text(str(exc), "orchestrator", keep=[task_id])

@@ -913,7 +913,7 @@ async def test_a_downstream_deadline_that_fires_with_the_tasks_own_is_the_task_r
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(stub, task_id="raced", payload="hi", task_type="chat")
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert "task raced ran out of time" in err.value.details(), err.value.details()
+        assert "task 'raced' ran out of time" in err.value.details(), err.value.details()
 
 
 async def test_task_past_its_time_limit_ends_deadline_exceeded_naming_the_limit():
@@ -922,7 +922,7 @@ async def test_task_past_its_time_limit_ends_deadline_exceeded_naming_the_limit(
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(stub, task_id="slow", payload="hi", task_type="chat")
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert "task slow ran out of time" in err.value.details()
+        assert "task 'slow' ran out of time" in err.value.details()
         assert "orchestrator.task_time_limit_s.chat = 0.5" in err.value.details()
         accepted = await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="bg", payload="hi", task_type="chat"))
         assert accepted.task_id == "bg"

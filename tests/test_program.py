@@ -412,7 +412,7 @@ async def test_a_task_that_cannot_make_its_deadline_on_the_measured_means_is_ref
             await collect(stub, task_id="doomed", payload="hi", task_type="chat", timeout=30)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         details = err.value.details()
-        assert "task doomed refused early" in details and "s left" in details and "100.000 s of work expected" in details
+        assert "task 'doomed' refused early" in details and "s left" in details and "100.000 s of work expected" in details
         assert "before its deadline (the caller's gRPC deadline)" in details  # what to give more time: named
         assert len(down.requests) == generates  # never sent to the dispatcher
         assert _value(TASKS_REFUSED_EARLY, task_type="chat") == refused + 1
@@ -451,7 +451,7 @@ async def test_a_refusal_names_the_time_limit_key_that_set_the_deadline():
                 await collect(stub, task_id=f"limited-{task_type}", payload="with?", task_type=task_type)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             details = err.value.details()
-            assert f"task limited-{task_type} refused early" in details, details
+            assert f"task 'limited-{task_type}' refused early" in details, details
             assert f"before its deadline (orchestrator.task_time_limit_s.{task_type} = {limits[task_type]})" in details
 
 
@@ -470,7 +470,7 @@ async def test_a_rag_answer_task_that_cannot_make_its_deadline_is_refused_before
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(stub, task_id="doomed-rag", payload="with?", task_type="rag_answer", timeout=30)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert "task doomed-rag refused early" in err.value.details()
+        assert "task 'doomed-rag' refused early" in err.value.details()
         assert "100.000 s of work expected" in err.value.details()
         await asyncio.sleep(0.05)  # a warm-up would have been sent by now
         assert len(down.queries) == queries  # no retrieval was run for it
@@ -501,7 +501,7 @@ async def test_a_short_answer_is_not_refused_on_the_measured_time_of_long_ones()
                 await collect(stub, task_id=f"long-{task_type}", payload="with?", task_type=task_type,
                               max_tokens=1000, timeout=30)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert f"task long-{task_type} refused early" in err.value.details()  # (the short one's step counted too)
+            assert f"task 'long-{task_type}' refused early" in err.value.details()  # (the short one's step counted too)
 
 
 def test_each_measured_model_step_counts_its_completion_tokens():

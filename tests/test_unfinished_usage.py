@@ -385,7 +385,7 @@ async def test_a_task_on_a_hung_model_server_names_it_when_its_time_runs_out(tmp
                                   **{"orchestrator.task_time_limit_s": limits}) as (stub, _client, _orch):
                 await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="h1", payload="hello", task_type="chat"))
                 status = await final_state(stub, "h1")
-    assert status.state == agent_pb2.FAILED and status.error.startswith("DEADLINE_EXCEEDED: task h1 ran out of time")
+    assert status.state == agent_pb2.FAILED and status.error.startswith("DEADLINE_EXCEEDED: task 'h1' ran out of time")
     # what it waited on, its address hidden from the caller (the dispatcher's words keep it: the test below)
     assert f" waiting for the model server at {HIDDEN} (model {MODEL}) for " in status.error, status.error
     assert f"127.0.0.1:{server.port}" not in status.error, status.error

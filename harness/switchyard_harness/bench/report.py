@@ -99,7 +99,7 @@ of any length (``bench-8`` and ``bench-43`` are one id's two values)."""
 def error_kind(message: str) -> str:
     """``message`` with its ids and numbers replaced by ``#``: errors of one cause read alike.
 
-    ``"task task-aa89e934daf4 ran out of time after 0.405 s"`` -> ``"task # ran out of time after # s"``, and
+    ``"task 'task-aa89e934daf4' ran out of time after 0.405 s"`` -> ``"task '#' ran out of time after # s"``, and
     ``"task bench-8 ..."`` reads as ``"task bench-43 ..."`` does.
     """
     return _VARIABLE.sub("#", message)

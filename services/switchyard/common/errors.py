@@ -85,7 +85,7 @@ class TaskDeadlineExceeded(SwitchyardError):
 
     def __init__(self, task_id: str, limit_s: float, source: str, waited_on: str = "") -> None:
         waiting = f" waiting for {waited_on}" if waited_on else ""
-        super().__init__(f"task {task_id} ran out of time after {limit_s:.3g} s ({source}){waiting}; "
+        super().__init__(f"task {untrusted.shown(task_id)} ran out of time after {limit_s:.3g} s ({source}){waiting}; "
                          "every step it started was cancelled")
         self.task_id = task_id
 
@@ -102,8 +102,8 @@ class TaskRefusedEarly(SwitchyardError):
                  margin_s: float, deadline_source: str = "") -> None:
         source = f" ({deadline_source})" if deadline_source else ""
         super().__init__(
-            f"task {task_id} refused early before model step {model_steps_done}: {time_left_s:.3f} s left before "
-            f"its deadline{source}, {expected_work_s:.3f} s of work expected (the measured mean times of the steps "
+            f"task {untrusted.shown(task_id)} refused early before model step {model_steps_done}: "
+            f"{time_left_s:.3f} s left before its deadline{source}, {expected_work_s:.3f} s of work expected (the measured mean times of the steps "
             f"it has left), short by more than orchestrator.program.refuse_early_margin_s = {margin_s:g} s")
         self.task_id = task_id
 

@@ -208,12 +208,13 @@ class EdgeText:
 
     def status(self, status: agent_pb2.TaskStatus) -> agent_pb2.TaskStatus:
         """A task's status as its caller reads it: its ``error`` (``CODE: message``, as the task store holds
-        it) through :meth:`text`; ``status`` itself where nothing changes, else a copy (the store's and this
-        process's records keep the whole message)."""
+        it) through :meth:`text`, the task's own id kept where quoted; ``status`` itself where nothing changes,
+        else a copy (the store's and this process's records keep the whole message)."""
         if not status.error:
             return status
         relayed = _RELAYED.match(status.error)
-        shown = self.text(status.error, relayed.group("hop") if relayed else "")
+        shown = self.text(status.error, relayed.group("hop") if relayed else "",
+                          keep=[status.task_id])  # the caller's own id, where quoted
         if shown == status.error:
             return status
         copy = agent_pb2.TaskStatus()
