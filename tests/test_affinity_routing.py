@@ -39,9 +39,9 @@ class RecordingProcessor(RequestProcessor):
     served: list[tuple[str, str]]
     started: asyncio.Event | None
 
-    async def open_request(self, request, timeout_s, span):
+    async def open_request(self, request, timeout_s, span, arrived=None):
         self.served.append((self.label, request.agent_id))
-        return await super().open_request(request, timeout_s, span)
+        return await super().open_request(request, timeout_s, span, arrived)
 
     def chunk(self, req, item):
         chunk = super().chunk(req, item)
@@ -245,11 +245,11 @@ class Refusing(Recording):
         super().__init__(config, label, [])
         refuse = label == "d0"
 
-        async def open_request(request, timeout_s, span):
+        async def open_request(request, timeout_s, span, arrived=None):
             seen.append((label, request.task_time_left_s, timeout_s))
             if refuse:
                 raise DispatcherNotServing(SHUTTING_DOWN)
-            return await RecordingProcessor.open_request(self.processor, request, timeout_s, span)
+            return await RecordingProcessor.open_request(self.processor, request, timeout_s, span, arrived)
 
         self.processor.open_request = open_request
 

@@ -997,10 +997,10 @@ async def test_an_unexpected_failure_starting_one_request_fails_that_request_onl
     async with dispatcher() as (service, _srv, channel):
         opened = service.processor.open_request
 
-        async def open_request(request, timeout_s, span):  # type: ignore[no-untyped-def]
+        async def open_request(request, timeout_s, span, arrived=None):  # type: ignore[no-untyped-def]
             if request.request_id == "broken":
                 raise RuntimeError("boom")
-            return await opened(request, timeout_s, span)
+            return await opened(request, timeout_s, span, arrived)
 
         monkeypatch.setattr(service.processor, "open_request", open_request)
         stream = RawStream(channel)
@@ -1044,6 +1044,58 @@ async def held_stream_dispatcher(**overrides: object) -> AsyncIterator[
     engine = _HeldStreamEngine()
     async with dispatcher(engine, **overrides) as (service, _srv, channel):
         yield engine, service, channel
+
+
+class _SlowModelListEngine(StreamEngine):
+    """A stream engine whose model list takes :data:`LIST_READ_S` to read for each request's check (an upstream
+    slow to answer its ``GET /v1/models``); it records when each check began and every request it streamed."""
+
+    model = "slow-list-1"
+    stream_slots = None
+
+    def __init__(self) -> None:
+        self.checked_at: list[float] = []  # time.monotonic() as each request's check began
+        self.streamed: dict[str, object] = {}  # request id -> its Request
+
+    async def await_model_list(self, model, wait_s, *, read_unread=False):  # type: ignore[no-untyped-def]
+        self.checked_at.append(time.monotonic())
+        await asyncio.sleep(LIST_READ_S)
+
+    async def generate(self, req):  # type: ignore[no-untyped-def]
+        self.streamed[req.request_id] = req
+        async for item in _tokens_every_10_ms(req):
+            yield item
+
+    async def aclose(self) -> None:
+        pass
+
+
+LIST_READ_S = 0.2
+
+
+async def test_a_requests_deadline_ttft_and_queue_wait_count_from_its_arrival_not_from_after_its_check():
+    """A request's deadline, queue wait and TTFT count from when its start arrived: the wait for the upstream's model
+    list during its check is in them, and so, for the second start of a message, is the first one's check. They
+    counted from after the check: a start with 30 s left got a deadline 30 s after it (its caller's passed first, by
+    up to a second of model-list wait, more behind the starts before it), and TTFT and queue wait left it out."""
+    engine = _SlowModelListEngine()
+    async with dispatcher(engine) as (_service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("a", timeout_s=30.0, max_tokens=2), start("b", timeout_s=30.0, max_tokens=2))
+        await stream.until(lambda: stream.done("a") and stream.done("b"), "both done")
+        unary = [chunk async for chunk in agent_pb2_grpc.InferenceServiceStub(channel).Generate(
+            agent_pb2.GenerateRequest(request_id="g", prompt=PROMPT, max_tokens=2), timeout=30.0)]
+        assert await stream.close() == grpc.StatusCode.OK
+    first_check = {"a": engine.checked_at[0], "b": engine.checked_at[0], "g": engine.checked_at[2]}
+    dones = {"a": stream.chunks["a"][-1].done, "b": stream.chunks["b"][-1].done, "g": unary[-1].done}
+    for request_id, checked in first_check.items():
+        req = engine.streamed[request_id]
+        assert req.arrival <= checked, (request_id, req.arrival - checked)  # type: ignore[attr-defined]
+        if request_id != "g":  # a Generate's time left is gRPC's (its deadline header rounds it, up to ~0.1 s)
+            assert req.deadline <= checked + 30.0, request_id  # type: ignore[attr-defined]
+        done = dones[request_id]
+        assert done.ttft_s >= req.first_token_at - checked, (request_id, done.ttft_s)  # type: ignore[attr-defined]
+        assert done.queue_wait_s >= req.admitted_at - checked, (request_id, done.queue_wait_s)  # type: ignore[attr-defined]
 
 
 async def test_a_stream_past_its_deadline_ends_its_upstream_call_wherever_its_end_was_decided():

@@ -61,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
@@ -253,9 +254,10 @@ class GenerateSession:
         before its cancels); what breaks the stream is raised by :meth:`replies`."""
         try:
             async for message in request_iterator:
+                arrived = time.monotonic()  # every start of a message arrived now, however long those before it take
                 for start in message.start:
                     await self.start(start.request, start.timeout_s, dict(start.trace_context), streamed=True,
-                                     token_hold_s=start.token_hold_s)
+                                     token_hold_s=start.token_hold_s, arrived=arrived)
                 for request_id in message.cancel:
                     self.cancel(request_id)
         except Exception as exc:  # noqa: BLE001 - handed to the writer, which ends the call with it
@@ -270,8 +272,15 @@ class GenerateSession:
         self._wake.notify()
 
     async def start(self, request: agent_pb2.GenerateRequest, timeout_s: float | None,
-                    trace_context: dict[str, str] | None, streamed: bool = False, token_hold_s: float = 0.0) -> None:
-        """Start ``request`` with ``timeout_s`` seconds left (None: no deadline); a refusal is its error chunk.
+                    trace_context: dict[str, str] | None, streamed: bool = False, token_hold_s: float = 0.0,
+                    arrived: float | None = None) -> None:
+        """Start ``request`` with ``timeout_s`` seconds left when it ``arrived`` (None: no deadline); a refusal is
+        its error chunk.
+
+        ``arrived``: when its start arrived, ``time.monotonic()`` seconds (the GenerateStream message that carried
+        it; None: now, a Generate call's): its ``Request.arrival``, which its deadline, queue wait and TTFT count
+        from (:meth:`RequestProcessor.open_request`), whatever validating it, or the starts before it in its
+        message, took.
 
         ``trace_context``: the W3C carrier of a stream's start (its span is then the request's server
         span); None for Generate, whose span is a child of the call's own. ``streamed``: ``timeout_s`` and
@@ -279,6 +288,7 @@ class GenerateSession:
         are the start's wire values (:func:`decode_timeout`, :func:`decode_token_hold`; a bad one refuses
         this request alone, INVALID_ARGUMENT naming the field).
         """
+        arrived = time.monotonic() if arrived is None else arrived
         request_id = request.request_id
         if trace_context is None:
             span = request_span(None, trace.SpanKind.INTERNAL)
@@ -293,7 +303,7 @@ class GenerateSession:
             if streamed:
                 timeout_s = decode_timeout(timeout_s)
                 running.hold_s = decode_token_hold(token_hold_s, request.priority)
-            req = await self._processor.open_request(request, timeout_s, span)
+            req = await self._processor.open_request(request, timeout_s, span, arrived)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not end the stream's others
             if not isinstance(exc, SwitchyardError):
                 log.exception("dispatcher: starting request %s failed", request_id)

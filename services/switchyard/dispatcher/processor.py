@@ -28,7 +28,6 @@ from switchyard.common import telemetry, untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.config.limits import ContextWindow, RequestLimitsConfig
 from switchyard.common.errors import DispatcherNotServing, InvalidArgument, SwitchyardError
-from switchyard.common.generate_protocol import deadline_after
 from switchyard.common.priority import PriorityClass, check_priority
 from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
 from switchyard.dispatcher.double_buffer import FlushReason
@@ -412,14 +411,19 @@ class RequestProcessor:
         return self.engine.kv.shares_prefixes
 
     async def open_request(
-        self, request: agent_pb2.GenerateRequest, timeout_s: float | None, span: trace.Span
+        self, request: agent_pb2.GenerateRequest, timeout_s: float | None, span: trace.Span,
+        arrived: float | None = None,
     ) -> Request:
         """Validate ``request`` (:func:`to_request`) and hand it to the engine loop.
 
         Args:
-            timeout_s: the caller's time left, seconds (None: no deadline); the
-                scheduler and an upstream engine bound the request by it.
+            timeout_s: the caller's time left when the request ``arrived``, seconds (None: no deadline); the
+                scheduler and an upstream engine bound the request by it (``req.deadline``).
             span: the request's ``dispatcher.generate`` span; the engine's spans link to it.
+            arrived: when its start arrived, ``time.monotonic()`` seconds (None: now): ``req.arrival``, what its
+                deadline, queue wait and TTFT count from, so that the wait for the upstream's model list and a long
+                prompt's count are counted in them (they were not: its deadline came that much after its caller's,
+                and its TTFT, queue wait and the fair policy's time left left that time out).
 
         Raises:
             SwitchyardError: the request is invalid (INVALID_ARGUMENT, NOT_FOUND), the
@@ -427,6 +431,7 @@ class RequestProcessor:
                 (RESOURCE_EXHAUSTED), or, under the ``fair`` policy, its task cannot meet its deadline
                 (DEADLINE_EXCEEDED, :class:`~switchyard.dispatcher.scheduler.slack.CannotMeetDeadline`).
         """
+        arrived = time.monotonic() if arrived is None else arrived
         reported, ratio = 0, 1.0
         served: Sequence[str] = ()
         if not self.stepping:
@@ -444,8 +449,9 @@ class RequestProcessor:
         span.set_attribute("gen_ai.usage.input_tokens", req.prompt_tokens)
         span.set_attribute("switchyard.priority", req.priority.label)
         req.span = span
+        req.arrival = arrived
         if timeout_s is not None:
-            req.deadline = deadline_after(timeout_s)
+            req.deadline = arrived + timeout_s
         loop = self.serving_loop()  # refused before its prefill_only shortcut, which would not reach the scheduler
         if req.prefill_only:
             if not self.shares_prefixes:  # nothing later could reuse its prefix: done, no tokens

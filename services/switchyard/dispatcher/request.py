@@ -230,11 +230,13 @@ class Request:
     orchestrator's ``orchestrator.program.refuse_early_margin_s``)."""
 
     arrival: float = field(default_factory=time.monotonic)
-    """When the Generate call arrived."""
+    """When its start arrived (the GenerateStream message carrying it, or the Generate call), stamped by its session
+    before it is validated (``RequestProcessor.open_request``): its queue wait, TTFT and deadline count from it, and
+    the fair policy's time left; when it was built where nothing stamps it (benches, tests)."""
     deadline: float | None = None
-    """When the request must have ended (monotonic seconds; None: no deadline): the Generate call's gRPC deadline,
-    or a GenerateStream start's ``timeout_s`` (set by ``RequestProcessor.open_request``); an upstream engine's call
-    must end by then, and the scheduler fails the request past it (``expire_deadlines``)."""
+    """When the request must have ended (monotonic seconds; None: no deadline): :attr:`arrival` plus the Generate
+    call's time left, or a GenerateStream start's ``timeout_s`` (set by ``RequestProcessor.open_request``); an
+    upstream engine's call must end by then, and the scheduler fails the request past it (``expire_deadlines``)."""
 
     # --- generated output
     output_tokens: list[str] = field(default_factory=list)
@@ -285,8 +287,9 @@ class Request:
     batch_size: int = 0
     flush_reason: int = agent_pb2.FLUSH_REASON_UNSPECIFIED
     queue_wait_s: float = 0.0
-    """Wait in the inference queue (double buffer and waiting set), seconds: until its first admission, or until it
-    ended when it never was (cancelled, past its deadline or failed while it waited)."""
+    """Wait in the inference queue (double buffer and waiting set), seconds, from its :attr:`arrival` (its validation
+    included) until its first admission, or until it ended when it never was (cancelled, past its deadline or failed
+    while it waited)."""
     first_token_at: float | None = None
     last_token_at: float | None = None
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -359,10 +360,11 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, EndsStr
         the module docstring."""
         if not request.request_id:
             request.request_id = new_request_id()  # Generate's id is optional; a session's is not
+        arrived = time.monotonic()  # before its time left is read: its deadline is never after its caller's
         session = GenerateSession(self.processor)
         self._open(session)
         try:
-            await session.start(request, context.time_remaining(), None)
+            await session.start(request, context.time_remaining(), None, arrived=arrived)
             session.close_intake()
             while (replies := await session.replies()) is not None:
                 for streamed in replies:
