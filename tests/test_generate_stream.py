@@ -1098,6 +1098,50 @@ async def test_a_requests_deadline_ttft_and_queue_wait_count_from_its_arrival_no
         assert done.queue_wait_s >= req.admitted_at - checked, (request_id, done.queue_wait_s)  # type: ignore[attr-defined]
 
 
+class _HeldModelListEngine(_SlowModelListEngine):
+    """:class:`_SlowModelListEngine` whose model list answers a request's check only once :attr:`answer` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+
+    async def await_model_list(self, model, wait_s, *, read_unread=False):  # type: ignore[no-untyped-def]
+        self.checked_at.append(time.monotonic())
+        await self.answer.wait()
+
+
+async def test_a_request_the_drains_end_failed_during_its_check_is_not_run_after_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drain's end (``end_streams``: every request still held ends UNAVAILABLE) came while a start's check
+    waited for the upstream's model list: its error went out, but once the check ended the request was submitted
+    all the same, out of its session's map: it ran to its end for nobody, and the drain waited for it."""
+    engine = _HeldModelListEngine()
+    opened: list = []
+    async with dispatcher(engine) as (service, _srv, channel):
+        open_request = service.processor.open_request
+
+        async def recording(request, timeout_s, span, arrived=None):  # type: ignore[no-untyped-def]
+            req = await open_request(request, timeout_s, span, arrived)
+            opened.append(req)
+            return req
+
+        monkeypatch.setattr(service.processor, "open_request", recording)
+        stream = RawStream(channel)
+        await stream.send(start("late", max_tokens=50))
+        await wait_until(lambda: engine.checked_at, "its check waiting on the model list")
+        ending = asyncio.create_task(service.end_streams(0.0))
+        await stream.until(lambda: stream.errors.get("late"), "its error")
+        assert stream.errors["late"][0].code == grpc.StatusCode.UNAVAILABLE.value[0]
+        engine.answer.set()
+        await wait_until(lambda: opened, "its check ended")
+        (req,) = opened
+        await wait_until(lambda: req.is_finished, "it ended")
+        assert req.finish_reason == "cancelled" and "late" not in engine.streamed, req.status
+        assert held(service) == 0 and stream.chunks["late"] == [] and len(stream.errors["late"]) == 1
+        await stream.close()
+        await ending
+
+
 async def test_a_stream_past_its_deadline_ends_its_upstream_call_wherever_its_end_was_decided():
     """B waits for its first token past its deadline while A streams; A's next token reaching the scheduler
     ended B (DEADLINE_EXCEEDED) but only the time slice's decision cancelled an upstream call: B's went on,

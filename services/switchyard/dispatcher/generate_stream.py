@@ -328,10 +328,11 @@ class GenerateSession:
                 self._send_now(agent_pb2.StreamedChunk(request_id=request_id, error=encode_error(exc, used)))
             return
         running.req = req
-        if running.state is RequestState.CANCELLED:  # cancelled while it was being counted
+        if running.state.ended:  # ended while it was checked: it runs for nobody
             self._abort(req)
-            self._answer_cancel(running, req)
-            return
+            if running.state is RequestState.CANCELLED:  # cancelled: answered with its done chunk now
+                self._answer_cancel(running, req)
+            return  # failed (the drain's end, :meth:`end_all`): its error went out then
         req.output.listener = lambda item: self._output_ready(running, item)
         if req.output.pending():
             self._output_ready(running, None)
