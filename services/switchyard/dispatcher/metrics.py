@@ -307,7 +307,6 @@ _LABELLED = (  # SchedulerCounters field -> the counter family its per-label cou
     ("deadlines_exceeded", DEADLINES_EXCEEDED),
     ("refused_early", REFUSED_EARLY),
     ("resumes", RESUMES),
-    ("tool_wait_decisions", TOOL_WAIT_DECISIONS),
     ("tool_decisions", TOOL_WAIT_DECISIONS_BY_TOOL),  # keyed (tool, decision)
     ("tool_resumes", TOOL_RESUMES),  # keyed (tool, resume)
     ("tool_prefetches", TOOL_WAIT_PREFETCHES),  # keyed (tool, timing)
@@ -376,6 +375,8 @@ def publish_stats(stats: "SchedulerStats") -> None:
     for name, family in _LABELLED:
         for label, n in counted[name].items():
             (family.labels(*label) if isinstance(label, tuple) else family.labels(label)).inc(n)
+    for label, n in stats.counters.tool_wait_decisions.items():  # the per-tool counts, summed over the tools
+        TOOL_WAIT_DECISIONS.labels(label).inc(n)
     for label, n in stats.counters.queue_rejections.items():
         QUEUE_REJECTED.labels(QUEUE_NAME, label).inc(n)
     for name, counter in _PLAIN:

@@ -123,10 +123,10 @@ class SchedulerCounters:
     ``switchyard_request_deadline_exceeded_total``), ``refused_early`` by the request's priority class (the
     ``fair`` policy's refusals of work that cannot make its task's deadline;
     ``switchyard_requests_refused_early_total``), ``resumes`` by kind (:data:`SEQUENCE_RESUME_KINDS`;
-    ``switchyard_resumes_total``), ``tool_wait_decisions`` by decision (keep,
-    swap, drop; ``switchyard_tool_wait_decisions_total``). Per tool, keyed ``(tool, label)`` (the tool
+    ``switchyard_resumes_total``). Per tool, keyed ``(tool, label)`` (the tool
     a bounded label: :data:`switchyard.common.metrics.TOOL_NAMES` or ``other``): ``tool_decisions`` by
-    decision (``switchyard_tool_wait_decisions_by_tool_total``), ``tool_resumes`` by warm / restored /
+    decision (``switchyard_tool_wait_decisions_by_tool_total``; summed over the tools, :attr:`tool_wait_decisions`,
+    ``switchyard_tool_wait_decisions_total``), ``tool_resumes`` by warm / restored /
     cold (:data:`.tool_wait.RESUME_KINDS`; ``switchyard_tool_resumes_total``), ``tool_prefetches`` by the tool's return, early / on_time / late
     (``switchyard_tool_wait_prefetches_total``; :mod:`.tool_wait`). ``tenant_service``: the tokens of
     service the ``fair`` policy charged each tenant (its attained service, not decayed), by the tenant's
@@ -151,7 +151,6 @@ class SchedulerCounters:
     deadlines_exceeded: Counter[str] = field(default_factory=Counter)
     refused_early: Counter[str] = field(default_factory=Counter)
     resumes: Counter[str] = field(default_factory=Counter)
-    tool_wait_decisions: Counter[str] = field(default_factory=Counter)
     tool_decisions: "Counter[tuple[str, str]]" = field(default_factory=Counter)
     tool_resumes: "Counter[tuple[str, str]]" = field(default_factory=Counter)
     tool_prefetches: "Counter[tuple[str, str]]" = field(default_factory=Counter)
@@ -168,6 +167,15 @@ class SchedulerCounters:
     defrag_freed_bytes: int = 0
     restored_tokens: int = 0
     recomputed_tokens: int = 0
+
+    @property
+    def tool_wait_decisions(self) -> Counter[str]:
+        """Tool-wait decisions by decision (keep, swap, drop): ``tool_decisions`` summed over the tools, the one
+        count of them (a second counter, kept beside it, was counted at another line)."""
+        out: Counter[str] = Counter()
+        for (_tool, decision), n in self.tool_decisions.items():
+            out[decision] += n
+        return out
 
     def copy(self) -> "SchedulerCounters":
         """An independent copy (the per-label counts copied too)."""

@@ -144,8 +144,7 @@ class KvMemory:
         else:
             self.parking.move_out(program_key, demote=False)
             self.counters.hbm_evictions += 1
-        self.counters.tool_wait_decisions[decision.decision.value] += 1
-        self.tool_waits.add(plan)
+        self.tool_waits.add(plan)  # counted there, by tool (``counters.tool_decisions``)
         self._events.tool_wait_expected_s.append(expected_wait_s)
         return decision
 
