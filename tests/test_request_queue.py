@@ -47,16 +47,16 @@ def test_priority_aging_gives_each_class_its_head_start_and_resumed_agents_the_h
 
 
 class LeastServedFirst(RequestQueue):
-    """Fairness by attained service: least prompt + output tokens computed first, then arrival."""
+    """Least output first (a request preempted after some tokens waits behind fresh ones), then arrival."""
 
     def order_key(self, req: Request, now: float) -> tuple[float, ...]:
-        return (float(req.num_prefilled_tokens + req.num_output_tokens), req.arrival)
+        return (float(req.num_output_tokens), req.arrival)
 
 
 def test_another_order_plugs_into_the_scheduler_through_order_key() -> None:
     sched = make_scheduler(SwitchyardConfig(), queue=LeastServedFirst(), capacity=FixedSlots(1))
     served, fresh, older = req("served", 0.0), req("fresh", 2.0), req("older", 1.0)
-    served.num_prefilled_tokens, served.output_tokens = 40, ["a", "b"]  # attained service 42 (it ran before)
+    served.output_tokens = ["a", "b"]  # it ran before
     accept(sched, [served, fresh, older], now=3.0)
     assert [r.request_id for r in sched.waiting] == ["older", "fresh", "served"]
     assert [r.request_id for r in sched.schedule(now=3.0).admitted] == ["older"]

@@ -397,8 +397,11 @@ async def test_a_warm_prefix_the_engine_no_longer_holds_is_recomputed_and_counte
     warm = back.num_computed_tokens  # the parking's warm prefix
     assert sched.schedule(now=0.2).admitted == [back]
     assert warm > 0 and back.num_computed_tokens == 0 and back.recomputed_tokens == warm  # nothing shared
-    await run_through(sched, engine, back)
-    assert back.num_prefilled_tokens == back.prompt_tokens and back.finish_reason == "stop"
+    await step(sched, engine, prefill=[back], now=0.1)
+    assert back.num_computed_tokens == back.prompt_tokens  # the whole prompt computed again
+    while not back.is_finished:
+        await step(sched, engine, decode=[back], now=0.1)
+    assert back.finish_reason == "stop"
 
 
 async def test_checkpoint_round_trip_and_shape_mismatch(tmp_path):

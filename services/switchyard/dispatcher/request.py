@@ -171,8 +171,9 @@ class Request:
     never reaches the loop: a ``prefill_only`` one on an engine that shares no
     prefixes is answered done at once by the processor (``open_request``), which
     sets its status first (nothing it could run is worth a place in the queue).
-    Its accounting (attained service included: ``num_prefilled_tokens``,
-    ``num_output_tokens``) is recorded here by the scheduler, not in side tables.
+    Its accounting (compute score used, KV peak, tokens) is recorded here by the scheduler, not in side tables;
+    attained service has one owner, the fair policy's ledger
+    (:class:`~switchyard.dispatcher.scheduler.fairness.FairnessLedger`, per tenant and agent session).
     Identity is the object (``eq=False``), so requests can sit in sets and dicts.
     Times are ``time.monotonic()`` seconds; ``None`` until the event happens.
     """
@@ -250,8 +251,6 @@ class Request:
     """Where the scheduler holds it (:class:`RequestStatus`); written by the scheduler only, but for a
     ``prefill_only`` request the processor finishes at once, which never reaches the scheduler (and the engine
     tests' and bench's :class:`~switchyard.dispatcher.engines.driver.EngineDriver`, which stands in for it)."""
-    num_prefilled_tokens: int = 0
-    """Prompt (and recomputed) tokens the engine computed for it: with the output tokens, its attained service."""
     kv_reserved_bytes: int = 0
     """KV bytes reserved in the HBM budget while it runs (0 when not running)."""
     batch: "FlushedBatch | None" = field(default=None, repr=False)

@@ -12,9 +12,10 @@ that plugs in, such as fairness by attained service or least slack first):
   when the request joins (arrival, or again after a preemption) and fixed while
   it waits, so the order is stable; ties keep the order the requests joined in.
   It may read the request (``arrival``, ``priority``, ``resume``, its
-  attained service ``num_prefilled_tokens`` + ``num_output_tokens``, its
-  ``deadline``...) and the queue's own entries (:meth:`RequestQueue.keys`), and
-  must not write anything.
+  output so far, its ``deadline``...), what its policy keeps (the fair policy's
+  attained service per tenant and session, :class:`.fairness.FairnessLedger`)
+  and the queue's own entries (:meth:`RequestQueue.keys`), and must not write
+  anything.
 - A policy whose order moves with time while requests wait (slack, aging
   re-evaluated) calls :meth:`RequestQueue.reorder` ``(now)`` at a decision: every
   key is computed again.

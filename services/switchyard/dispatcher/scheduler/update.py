@@ -43,9 +43,7 @@ def apply_output(req: Request, seq: SeqOutput, *, prefilled: bool, now: float,
     the finished status it reached (None: it goes on; ``FINISHED_ERROR`` with ``req.error`` set).
 
     ``prefilled``: ``req`` was a prefill of the step. A prefill of a request that has output and no KV
-    (a recompute after preemption) counts ``num_tokens - 1`` in ``recomputed_tokens``; every prefill
-    counts the prompt tokens it computed in ``num_prefilled_tokens`` (attained service, with
-    ``num_output_tokens``). ``now``: monotonic seconds (token times). ``kv``: the engine's KV manager (the KV held after the
+    (a recompute after preemption) counts ``num_tokens - 1`` in ``recomputed_tokens``. ``now``: monotonic seconds (token times). ``kv``: the engine's KV manager (the KV held after the
     step: ``memory_peak_bytes``). ``engine_enforces_max_tokens``: see :func:`check_stop`.
     """
     out = RequestOutput(req)
@@ -63,7 +61,6 @@ def apply_output(req: Request, seq: SeqOutput, *, prefilled: bool, now: float,
         if prefilled:
             if req.output_tokens and req.num_computed_tokens == 0:
                 req.recomputed_tokens += req.num_tokens - 1
-            req.num_prefilled_tokens += max(0, seq.num_computed_tokens - req.num_computed_tokens)
         req.num_computed_tokens = seq.num_computed_tokens
     for text in seq.texts:
         index = len(req.output_tokens)
