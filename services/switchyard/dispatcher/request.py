@@ -42,10 +42,6 @@ from switchyard.common.priority import PriorityClass
 from switchyard.common.tenant import DEFAULT_TENANT, agent_key, program_key
 from switchyard.dispatcher.output import OutputStream
 
-FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter", "cancelled")
-"""finish_reason values: OpenAI's stop/length/tool_calls/content_filter, plus cancelled by the caller."""
-
-
 class RequestStatus(enum.IntEnum):
     """Where a request is in the dispatcher; every value from ``PARKED`` on is finished (after vLLM's
     ``vllm/v1/request.py`` ``RequestStatus``: ordered, ``is_finished`` a comparison).
@@ -114,6 +110,10 @@ _STATUS_OF_REASON = {
     # OpenAI's and Azure OpenAI's: the server's content filter withheld the rest of the answer
     "content_filter": RequestStatus.FINISHED_CONTENT_FILTERED,
 }
+
+FINISH_REASONS: tuple[str, ...] = tuple(sorted(set(_FINISH_REASON.values())))
+"""finish_reason values: OpenAI's stop/length/tool_calls/content_filter, plus cancelled by the caller; read off the
+one table of them (the finished statuses'), not listed beside it."""
 
 _SEQ_IDS = itertools.count(1)
 
