@@ -98,11 +98,9 @@ def _assistant_before(out: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def chat_request(req: Request) -> events.ChatRequest:
     """The gateway request for ``req``: messages, tools, max_tokens, model, priority class, agent and tenant; each HTTP
-    request of it that goes out is noted on ``req`` (:meth:`Request.sent_upstream`: what it then waits on).
-
-    Raises:
-        InvalidArgument: a tool's ``parameters_json`` is not a JSON object.
-    """
+    request of it that goes out is noted on ``req`` (:meth:`Request.sent_upstream`: what it then waits on). Its
+    tools' ``parameters_json`` were checked as JSON Schema objects when the request was built
+    (:func:`~switchyard.dispatcher.processor.to_request`, INVALID_ARGUMENT there): nothing is refused here."""
     return events.ChatRequest(
         messages=chat_messages(req.prompt, req.messages),
         model=req.model if req.names_model else "",  # "": the default, which may fall back (the gateway's rule)
@@ -295,7 +293,6 @@ class OpenAIEngine(StreamEngine):
         own count. A usage the server reported teaches the model's prompt-token ratio (:attr:`token_ratios`).
 
         Raises:
-            InvalidArgument: bad tool schema in ``req``.
             switchyard.gateway.errors.GatewayError: the error-table row of the
                 upstream failure (gRPC status on ``.code``). Retries and the
                 fallback model happen inside, before the first item only.
