@@ -63,8 +63,8 @@ def test_recorded_series_the_dashboard_reads_are_in_the_rule_file() -> None:
     assert used and used <= recorded, sorted(used - recorded)
 
 
-def test_per_task_figures_are_histograms_never_a_series_per_task() -> None:
-    exprs = [e for t, e in dashboard.expressions(MODEL) if t.startswith("Per-task")]
+def test_per_call_figures_are_histograms_never_a_series_per_task() -> None:
+    exprs = [e for t, e in dashboard.expressions(MODEL) if t.startswith("Per-call")]
     assert len(exprs) >= 4 and all("_bucket" in e for e in exprs)
     assert not any(re.search(r"task_id|agent_id", e) for _, e in dashboard.expressions(MODEL))
 

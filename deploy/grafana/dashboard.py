@@ -15,8 +15,8 @@ Panels over per-instance series (gauges, counters) honour both ``namespace``
 and ``instance``. The quantile panels read the recording rules of
 ``deploy/prometheus/switchyard-rules.yaml`` (bucket rates summed per namespace,
 so a quantile is the fleet's, not an average of replicas'), and honour
-``namespace`` only. Per-task figures (compute score used, memory peak) are
-histograms: quantiles and a heatmap, never one series per task.
+``namespace`` only. Per-call figures (compute score used, memory peak of each model call a task made) are
+histograms: quantiles and a heatmap, never one series per call.
 
 Units are Grafana's: ``s`` (seconds), ``bytes`` (IEC), ``percentunit`` (0-1
 shown as %), ``ops`` (per second), ``short``.
@@ -176,15 +176,17 @@ def rows() -> list[tuple[str, list]]:
                 [(f"switchyard_agents_concurrent{{{SEL}}}", "{{instance}}")], width=8),
     ]
     tasks = [
-        _series("Per-task compute score used", "Compute score x seconds each task consumed while running "
-                "(score-seconds), as quantiles over tasks finished in the last 5 minutes.", "short",
+        _series("Per-call compute score used", "Compute score x seconds each model call (a dispatcher request) "
+                "consumed while running (score-seconds), as quantiles over calls finished in the last 5 minutes; a "
+                "task's is the sum of its calls'.", "short",
                 _quantiles("namespace_le:switchyard_task_compute_score_used_bucket:rate5m", "", "")),
-        _series("Per-task memory peak", "Peak KV / prefix-state bytes of each task, as quantiles over tasks "
-                "finished in the last 5 minutes.", "bytes",
+        _series("Per-call memory peak", "Peak KV / prefix-state bytes of each model call (a dispatcher request), "
+                "as quantiles over calls finished in the last 5 minutes; a task's is the largest of its calls'.",
+                "bytes",
                 _quantiles("namespace_le:switchyard_task_memory_peak_bytes_bucket:rate5m", "", "")),
-        _heatmap("Per-task compute score used (distribution)", "Tasks per second in each score-seconds bucket.",
+        _heatmap("Per-call compute score used (distribution)", "Model calls per second in each score-seconds bucket.",
                  "short", "switchyard_task_compute_score_used_bucket"),
-        _heatmap("Per-task memory peak (distribution)", "Tasks per second in each memory-peak bucket.", "bytes",
+        _heatmap("Per-call memory peak (distribution)", "Model calls per second in each memory-peak bucket.", "bytes",
                  "switchyard_task_memory_peak_bytes_bucket"),
     ]
     services = [

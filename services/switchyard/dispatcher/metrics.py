@@ -208,12 +208,15 @@ EXPECTED_SCORE = Gauge(
 )
 TASK_COMPUTE_SCORE_USED = Histogram(
     "switchyard_task_compute_score_used",
-    "Per-task compute score x seconds consumed while running (score-seconds: the task's share of the score).",
+    "Compute score x seconds one model call (a dispatcher request that ran) consumed while running (score-seconds: "
+    "its share of the score); a task's is the sum of its calls' (a react_loop step, a rag_answer warm-up: each "
+    "observed alone), GetTaskStatus's compute_score_used.",
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 50, 100, 500, 1000),
 )
 TASK_MEMORY_PEAK_BYTES = Histogram(
     "switchyard_task_memory_peak_bytes",
-    "Per-task peak KV/prefix-state bytes.",
+    "Peak KV/prefix-state bytes of one model call (a dispatcher request that ran); a task's is the largest of its "
+    "calls', GetTaskStatus's memory_peak_mb.",
     buckets=tuple(float(1 << s) for s in range(20, 37, 2)),  # 1 MiB .. 64 GiB
 )
 
