@@ -1046,6 +1046,32 @@ async def held_stream_dispatcher(**overrides: object) -> AsyncIterator[
         yield engine, service, channel
 
 
+class _ClosingHeldStreamEngine(_HeldStreamEngine):
+    """:class:`_HeldStreamEngine` that records, as it is closed, which calls had been cancelled by then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled_when_closed: list[str] | None = None
+
+    async def aclose(self) -> None:
+        self.cancelled_when_closed = list(self.cancelled)
+
+
+async def test_a_stopping_dispatcher_closes_its_engine_after_the_upstream_calls_it_cancelled_have_ended():
+    """A stop past its grace cancels the upstream calls still streaming; it closed the engine (the openai engine:
+    its HTTP pools) at once, under them: their cancels ran after, and their slots came back after the stop
+    returned."""
+    engine = _ClosingHeldStreamEngine()
+    async with dispatcher(engine, **{"server.shutdown_grace_s": 0.2}) as (service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("held-x", max_tokens=4))
+        await wait_until(lambda: service.stream_slots is not None and service.stream_slots.in_flight == 1,
+                         "its call in flight")
+        await service.stop()
+        assert engine.cancelled_when_closed == ["held-x"], engine.cancelled_when_closed
+        assert service.stream_slots.in_flight == 0
+
+
 class _SlowModelListEngine(StreamEngine):
     """A stream engine whose model list takes :data:`LIST_READ_S` to read for each request's check (an upstream
     slow to answer its ``GET /v1/models``); it records when each check began and every request it streamed."""

@@ -73,6 +73,12 @@ one call hold its slot and last a fraction of a second, while a queue of 40 behi
 seconds. Its own deadline bounds the wait, as any queued request's."""
 
 
+CALLS_END_WAIT_S = 1.0
+"""Longest a stream loop's drain or stop waits for the upstream calls it cancelled to end, seconds: a cancelled call
+ends at its next await (its response closed, its endpoint's count and its slot given back), so the engine is closed
+after them, not under them."""
+
+
 class StreamLoop(LoopBase):
     """Drives a :class:`StreamEngine` (see the module docstring).
 
@@ -108,6 +114,27 @@ class StreamLoop(LoopBase):
         for out in outputs:  # called per streamed token: only a finished output asks for the current task
             if out.finished and (call := out.req.upstream_call) is not None and call is not asyncio.current_task():
                 call.cancel()
+
+    async def drain(self) -> None:
+        """:meth:`LoopBase.drain`, then :meth:`_calls_ended`: a request that ended while it streamed (a deadline, a
+        cancel) may still be closing its call."""
+        await super().drain()
+        await self._calls_ended()
+
+    async def stop(self) -> None:
+        """:meth:`LoopBase.stop` (every request held ends cancelled, its call cancelled), then :meth:`_calls_ended`."""
+        await super().stop()
+        await self._calls_ended()
+
+    async def _calls_ended(self) -> None:
+        """Wait, at most :data:`CALLS_END_WAIT_S`, until every upstream call this loop started has ended: the
+        streams in flight (``slots.in_flight``, the one count of them) back to 0, each call's end waking the loop
+        (:meth:`_stream_ended`). The dispatcher closes the engine once this returns."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CALLS_END_WAIT_S):
+                while self.slots.in_flight:
+                    self._wake.clear()
+                    await self._wake.wait()
 
     def _can_take(self) -> bool:
         """A decision now could start a stream: an admission wave may go into prefill and the limit has a slot,
