@@ -1,12 +1,16 @@
-"""Per-task accounting: compute score used and peak prefix-state memory.
+"""Per-request accounting: compute score used and peak prefix-state memory of each request (one model call).
+
+A task's figures are its requests' (a react_loop step, a rag_answer warm-up and answer, each a request here): its
+orchestrator sums the compute score and takes the largest peak from each request's done chunk. Below, "task"
+is the field's word for the request a task sent (its ``task_type``'s expected score is per request).
 
 ``compute_score_used`` is in score-seconds: for every stretch of time a
 request holds a running slot, it is charged ``score * seconds / n_running``,
 its equal share of the compute score (0-100) among the ``n_running`` requests
 stepped together, the score measured over that stretch
 (:meth:`~switchyard.dispatcher.scheduler.compute_score.ComputeScoreMonitor.score_over`).
-Summed over all tasks this gives the score-seconds the engine delivered, so
-tasks can be compared and billed.
+Summed over all requests this gives the score-seconds the engine delivered, so
+tasks (their requests summed) can be compared and billed.
 
 The score a task *added* (what admission learns as its type's expected
 score) is its marginal effect instead: the average score while it ran minus
