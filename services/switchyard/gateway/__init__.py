@@ -2,8 +2,8 @@
 
 Modules:
 
-- :mod:`.client`: :class:`GatewayClient`, streamed chat completions (SSE) over a pooled ``httpx.AsyncClient`` with retries before the
-  first token and fallback to ``model_gateway.fallback_model``; :mod:`.transport`: aiohttp under httpx's
+- :mod:`.client`: :class:`GatewayClient`, streamed chat completions (SSE) over one pooled ``httpx.AsyncClient`` per endpoint, with retries before
+  the first token and fallback to ``model_gateway.fallback_model``; :mod:`.transport`: aiohttp under httpx's
   client API (``model_gateway.http_transport`` "aiohttp").
 - :mod:`.errors`: the error table (upstream status, transport failure, broken
   stream) as :class:`switchyard.common.errors.SwitchyardError` subclasses; :mod:`.classify`: an upstream's
