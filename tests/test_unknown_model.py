@@ -151,6 +151,35 @@ async def test_a_model_loaded_after_the_list_was_read_is_not_refused(clean_proxy
             await accepted(stub, OTHER)
 
 
+async def test_tasks_naming_a_model_loaded_since_that_come_together_are_all_accepted(clean_proxy_env, monkeypatch):
+    """Several tasks name a model the server loaded after the orchestrator's list was read, at once (an agent
+    fleet switched to it): the first asks the dispatcher again, and the others wait for that answer. They read
+    the answer kept before, and were refused NOT_FOUND naming the models of before while the first, asking, was
+    accepted (1 of 6 refused on a stack in front of sim-openai)."""
+    import asyncio
+
+    from switchyard.dispatcher.engines import openai as openai_engine
+    from switchyard.orchestrator import clients
+
+    with start_sim(models=[MODEL]) as sim:
+        async with stack(config_for("openai", sim.base_url)) as (stub, client):
+            await refused(stub, client, OTHER)
+            sim.sim.options.models.append(OTHER)  # loaded now; the lists read so far do not name it
+            monkeypatch.setattr(openai_engine, "DESCRIBE_RETRY_S", 0.0)
+            monkeypatch.setattr(clients, "MODEL_INFO_RETRY_S", 0.05)
+            await asyncio.sleep(0.1)  # the orchestrator's answer is older than MODEL_INFO_RETRY_S: asked again
+
+            async def submit() -> str:
+                try:
+                    await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat", model=OTHER))
+                except grpc.aio.AioRpcError as err:
+                    return f"{err.code().name}: {err.details()}"
+                return "accepted"
+
+            outcomes = await asyncio.gather(*(submit() for _ in range(8)))
+    assert outcomes == ["accepted"] * 8, outcomes
+
+
 @pytest.mark.parametrize("call", ["Generate", "DescribeModel"])
 async def test_each_of_the_dispatchers_checks_reads_the_list_again_for_a_model_loaded_since(clean_proxy_env,
                                                                                           monkeypatch, call):

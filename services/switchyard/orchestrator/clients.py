@@ -196,6 +196,9 @@ class InferenceClient:
         self._model_info: agent_pb2.ModelInfo | None = None
         self._model_info_at = -math.inf
         self._model_info_stale = False
+        self._model_info_refresh: asyncio.Task[None] | None = None
+        """The DescribeModel asked again now (:meth:`model_info`), while it is under way: a task that needs what it
+        answers waits for it rather than read the answer kept before it."""
         self._prompt_token_ratios: dict[str, float] = {}
         """Per model, the dispatcher's measured ratio of the model server's prompt tokens to the count sent
         (``ModelInfo.prompt_token_ratios``, then each ``GenerateDone.prompt_token_ratio``): the models the
@@ -412,7 +415,10 @@ class InferenceClient:
         before as served), and while an ``openai`` engine's upstream reported no window or
         model list yet (it was down, or reports none), or a task names ``model``, one the answer kept does not
         list (the dispatcher then reads its upstream's list again: a model just loaded there is served), at
-        most every :data:`MODEL_INFO_RETRY_S`; the answer kept before stands when that fails.
+        most every :data:`MODEL_INFO_RETRY_S`; the answer kept before stands when that fails. One ask runs at a
+        time: a task naming a model the kept answer does not list (or while the window is unread) that comes while
+        it runs waits for its answer (the answer kept had refused a model just loaded upstream to every task that
+        came during the ask, and accepted the one that asked).
 
         Raises:
             ServiceUnavailable: the dispatcher is down, naming its address.
@@ -422,14 +428,16 @@ class InferenceClient:
         age = time.monotonic() - self._model_info_at
         unknown_model = bool(model) and info is not None and bool(info.models) and model not in info.models
         unread = info is not None and info.engine == "openai" and not (info.context_window_tokens and info.models)
-        if info is not None and (self._model_info_stale or age >= MODEL_INFO_MAX_AGE_S or (
+        refresh = self._model_info_refresh
+        if refresh is None and info is not None and (self._model_info_stale or age >= MODEL_INFO_MAX_AGE_S or (
                 (unread or unknown_model) and age >= MODEL_INFO_RETRY_S)):
             self._model_info_at, self._model_info_stale = time.monotonic(), False
-            with contextlib.suppress(SwitchyardError, grpc.aio.AioRpcError):
-                address, channel = await self._route(None, frozenset())
-                self._model_info = await self._stub_for(channel).DescribeModel(
-                    agent_pb2.DescribeModelRequest(model=model), timeout=min(timeout_s, MODEL_INFO_REFRESH_TIMEOUT_S))
-                self._prompt_token_ratios.update(self._model_info.prompt_token_ratios)
+            refresh = self._model_info_refresh = asyncio.ensure_future(self._ask_model_info_again(model, timeout_s))
+            await asyncio.shield(refresh)  # a caller that leaves does not cancel the ask others wait for
+        elif refresh is not None and (unknown_model or unread):
+            # asked again now, by another task (for this model, or for the same list): its answer is this one's too;
+            # the answer kept refused a model just loaded upstream to every task that came while it was asked
+            await asyncio.shield(refresh)
         if self._model_info is None:
             address, channel = await self._route(None, frozenset())
             try:
@@ -442,6 +450,18 @@ class InferenceClient:
                 raise await _tls_named(_downstream_error("dispatcher", address, err, waited), address,
                                        self._tls) from None
         return self._model_info
+
+    async def _ask_model_info_again(self, model: str, timeout_s: float) -> None:
+        """:meth:`model_info`'s DescribeModel asked again while an answer is kept (at most
+        :data:`MODEL_INFO_REFRESH_TIMEOUT_S`): the answer replaces it; the one kept stands when the ask fails."""
+        try:
+            with contextlib.suppress(SwitchyardError, grpc.aio.AioRpcError):
+                address, channel = await self._route(None, frozenset())
+                self._model_info = await self._stub_for(channel).DescribeModel(
+                    agent_pb2.DescribeModelRequest(model=model), timeout=min(timeout_s, MODEL_INFO_REFRESH_TIMEOUT_S))
+                self._prompt_token_ratios.update(self._model_info.prompt_token_ratios)
+        finally:
+            self._model_info_refresh = None
 
     @property
     def known_default_model(self) -> str:
