@@ -365,6 +365,56 @@ def test_each_kind_of_address_is_hidden_and_the_words_around_it_kept(message, ho
     assert EdgeText(show_addresses=False).text(message, hop) == shown
 
 
+def _raised(make) -> str:
+    try:
+        make()
+    except Exception as exc:  # noqa: BLE001 - the message is what is read
+        return str(exc)
+    raise AssertionError("expected an error")
+
+
+UPSTREAM_URL = "http://10.0.3.7:8000/v1/chat/completions"
+
+
+def _gateway_errors() -> dict[str, str]:
+    """The gateway's own messages that name the model server's URL inside a sentence, built by the functions that
+    word them."""
+    from switchyard.gateway.classify import error_for_status
+    from switchyard.gateway.decode import finish_reason_of
+    from switchyard.gateway.keys import ApiKey
+
+    key = ApiKey("K", None)
+    body = '{"error": {"message": "KV cache lost"}}'
+    return {
+        "in the stream": str(error_for_status(500, body, {}, url=UPSTREAM_URL, model="m", key=key, in_stream=True)),
+        "in the stream, no status": str(error_for_status(None, body, {}, url=UPSTREAM_URL, model="m", key=key,
+                                                          in_stream=True)),
+        "408": str(error_for_status(408, body, {}, url=UPSTREAM_URL, model="m", key=key)),
+        "finish_reason abort": _raised(lambda: finish_reason_of("abort", url=UPSTREAM_URL)),
+        "finish_reason unknown": _raised(lambda: finish_reason_of("banana", url=UPSTREAM_URL)),
+    }
+
+
+@pytest.mark.parametrize("case, shown", [
+    ("in the stream", "upstream error inside the stream from the model server (status 500): 'KV cache lost'"),
+    ("in the stream, no status", "upstream error inside the stream from the model server: 'KV cache lost'"),
+    ("408", "upstream 408 from the model server (upstream said 'KV cache lost'): the server timed the request for "
+            "model 'm' out; retried"),
+    ("finish_reason abort", "upstream answer from the model server ended with finish_reason 'abort': "),
+    ("finish_reason unknown", "upstream answer from the model server ended with finish_reason 'banana': "),
+])
+def test_the_gateways_errors_read_as_sentences_with_the_model_servers_url_hidden(case, shown):
+    """A caller reads the model server's URL as "the model server": the messages that put the URL where a name
+    goes read so too. Two read "upstream the model server sent an error inside the stream" and "upstream the model
+    server ended the answer with finish_reason 'abort'", a 408 "upstream answered 408 for the model server"; the
+    operator reads the URL in the same place."""
+    message = _gateway_errors()[case]
+    assert UPSTREAM_URL in message
+    caller = EdgeText(show_addresses=False).text(message, "upstream model")
+    assert caller.startswith(shown), caller
+    assert "upstream the model server" not in caller and "for the model server" not in caller, caller
+
+
 def test_the_orchestrators_own_addresses_are_hidden_whatever_their_form():
     """A host of one label with its port reads as an id (``user:12345``) and is left by the patterns; the
     orchestrator's own settings name its downstream services and Redis, which are hidden as written."""

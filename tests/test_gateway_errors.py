@@ -75,7 +75,7 @@ async def test_upstream_401_names_variable_length_and_whitespace_never_the_key(m
     (403, grpc.StatusCode.PERMISSION_DENIED, False, "refused"),  # gRPC's mapping of HTTP 403
     (418, grpc.StatusCode.INVALID_ARGUMENT, False, "rejected"),
     (451, grpc.StatusCode.INVALID_ARGUMENT, False, "rejected"),
-    (408, grpc.StatusCode.UNAVAILABLE, True, "upstream answered 408"),  # the server timed it out, as a 5xx
+    (408, grpc.StatusCode.UNAVAILABLE, True, "timed the request for model"),  # the server timed it out, as a 5xx
     # the statuses that are not the request's fault, which all read INVALID_ARGUMENT (402, 409, 425 ...):
     (402, grpc.StatusCode.FAILED_PRECONDITION, False, "no credit or quota left"),  # the account's
     (405, grpc.StatusCode.NOT_FOUND, False, "takes no POST"),  # the base URL's

@@ -387,7 +387,9 @@ def error_for_status(
     said = redact(upstream_message(body), key.value)
     quoted = snippet(said)
     if in_stream:
-        where = f"upstream {url} sent an error inside the stream" if url else "upstream sent an error inside the stream"
+        # the URL ends the phrase: a caller reads it as "the model server" (orchestrator/addresses.py), and "upstream
+        # the model server sent ..." read as a slip
+        where = f"upstream error inside the stream from {url}" if url else "upstream error inside the stream"
         head = f"{where}{f' (status {status})' if status else ''}: {quoted}"
     else:
         head = f"upstream {status} from {url} (upstream said {quoted})"
@@ -483,7 +485,9 @@ def error_for_status(
             error.retry_after_s, error.refuses_load = retry_after, True
             error.overloaded_status = status
         return error
-    return UpstreamServerError(f"upstream answered {status} for {url}: {quoted}")
+    if status == 408:  # Request Timeout (section 15.5.9): the server gave up waiting on the request; retried as a 5xx
+        return UpstreamServerError(f"{head}: the server timed the request for model {model!r} out; retried")
+    return UpstreamServerError(f"{head}: a status that is no known answer to a chat request; retried")
 
 
 def redirected_root(location: str, url: str) -> str:

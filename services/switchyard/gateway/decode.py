@@ -284,13 +284,13 @@ def finish_reason_of(raw: Any, *, url: str = "") -> str:
     word = raw.lower() if isinstance(raw, str) else None
     if word in FINISH_REASONS:
         return FINISH_REASONS[word]
-    where = f"upstream {url}" if url else "upstream"
+    where = f"upstream answer from {url}" if url else "upstream answer"  # a caller reads the URL "the model server"
     if word in _FAILED_FINISH:
         why = _FAILED_FINISH[word]
     else:
         why = ("none of OpenAI's (stop, length, tool_calls, content_filter) nor another server's word for one of "
                "them, so the answer cannot be told finished; report it to have it mapped")
-    raise UpstreamStreamError(f"{where} ended the answer with finish_reason {snippet(str(raw))}: {why}")
+    raise UpstreamStreamError(f"{where} ended with finish_reason {snippet(str(raw))}: {why}")
 
 
 def carries_error(payload: dict[str, Any]) -> bool:
