@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import pathlib
 from dataclasses import dataclass, field
@@ -200,6 +201,48 @@ async def test_sim_openai_without_done_is_a_finished_stream_and_without_finish_a
                     pass
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE and "no end marker" in str(caught.value)
     assert (ending_count("finish_reason"), ending_count("cut")) == (before[0] + 1, before[1] + 1)
+
+
+def all_endings() -> float:
+    return sum(ending_count(ending) for ending in STREAM_ENDINGS)
+
+
+@pytest.mark.parametrize("case, ending", [
+    ("silent past read_timeout_s", "timeout"),
+    ("past total_timeout_s mid-stream", "timeout"),
+    ("past the caller's deadline mid-stream", "cancelled"),
+    ("the caller leaves mid-stream", "cancelled"),
+    ("the caller leaves before the first item", "cancelled"),
+])
+async def test_a_stream_not_read_to_its_end_is_counted_by_why_once(clean_proxy_env, case, ending):
+    """Every stream the server answered is counted once: one the gateway stopped reading (its body silent past
+    ``read_timeout_s``, the call past its deadline, its caller gone) too. They were counted nowhere, so the endings
+    did not add up to the streams: a server that hung mid-answer, or callers that left, did not show."""
+    before, total = ending_count(ending), all_endings()
+    slow_ms = 1000 if case in ("silent past read_timeout_s", "the caller leaves before the first item") else 150
+    request = ask()
+    if case == "past the caller's deadline mid-stream":
+        request = dataclasses.replace(request, timeout_s=0.5)
+    with start_sim(faults={"*": Fault(slow_ms=slow_ms)}) as server:
+        cfg = gateway_config(server.base_url, fallback_model="", max_retries=0,
+                             read_timeout_s=0.2 if case == "silent past read_timeout_s" else 10.0,
+                             total_timeout_s=0.5 if case == "past total_timeout_s mid-stream" else 300.0)
+        async with GatewayClient(cfg) as client:
+            if case.startswith("the caller leaves"):
+                stream = client.stream_chat(request)
+                if case == "the caller leaves mid-stream":
+                    assert isinstance(await anext(stream), Token)  # the stream is open and read
+                    await stream.aclose()
+                else:  # it gives up while the gateway waits for the first item
+                    with pytest.raises(TimeoutError):
+                        async with asyncio.timeout(0.3):
+                            await anext(stream)
+                    await stream.aclose()
+            else:
+                with pytest.raises(GatewayError):
+                    async for _ in client.stream_chat(request):
+                        pass
+    assert (ending_count(ending), all_endings()) == (before + 1, total + 1)
 
 
 async def test_a_whole_completion_answering_a_stream_request_is_the_answer_not_an_error(clean_proxy_env):

@@ -307,7 +307,7 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
     preemptions, ttft_p50_s, ttft_p95_s, ttft_count), ``tasks_in_flight``,
     ``tiers`` (bytes per tier gauge, once the dispatcher exports any), ``upstream`` (a stream engine's model
     server, once the dispatcher has called one: limit, knee, in_flight, stream_endings in the window by
-    ending (each of the gateway's four: done_marker, finish_reason, error, cut), endpoints (a pool's
+    ending (each of the gateway's: ``switchyard.gateway.metrics.STREAM_ENDINGS``), endpoints (a pool's
     endpoints, None without a pool) and endpoints_down (their names, sorted), circuits not closed as model -> {state: endpoints in it}; None before),
     ``dram`` (the DRAM tier's Redis as the orchestrator sees it: up,
     outages, degraded_operations; None without an orchestrator scrape).

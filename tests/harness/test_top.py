@@ -284,12 +284,13 @@ def test_a_stream_engine_shows_its_upstream_instead_of_an_idle_engine() -> None:
     assert up == {"limit": 24.0, "knee": 22, "in_flight": 20, "circuits": {"sim-7b": {"open": 1}},
                   "endpoints": None, "endpoints_down": [],
                   "stream_endings": {"done_marker": 15, "finish_reason": 5, "whole_answer": 0, "error": 0,
-                                     "cut": 1}}
+                                     "cut": 1, "timeout": 0, "cancelled": 0}}
     console = Console(width=120, record=True)
     console.print(render(snapshot({"dispatcher": after}, {"dispatcher": before}), "flags"))
     text = console.export_text()
     assert "upstream  in flight 20 of limit 24   knee 22   circuits: sim-7b open" in text
-    assert "finish_reason 5, whole_answer 0, error 0, cut 1" in text and "engine  busy" not in text
+    assert "finish_reason 5, whole_answer 0, error 0, cut 1, timeout 0, cancelled 0" in text
+    assert "engine  busy" not in text
     # a step engine (no upstream call made, none in flight) keeps its engine line
     idle = _upstream_text(0, {}).replace("switchyard_upstream_in_flight 20.0", "switchyard_upstream_in_flight 0.0")
     assert snapshot({"dispatcher": Scrape("dispatcher", "u", parse(idle), at=1.0)})["upstream"] is None
@@ -309,10 +310,11 @@ def test_top_shows_streams_that_ended_with_an_error_inside_them() -> None:
     after = Scrape("dispatcher", "u", parse(_upstream_text(17, {"finish_reason": 12, "error": 5})), at=2.0)
     snap = snapshot({"dispatcher": after}, {"dispatcher": before})
     assert snap["upstream"]["stream_endings"] == {"done_marker": 0, "finish_reason": 2, "whole_answer": 0,
-                                                  "error": 5, "cut": 0}
+                                                  "error": 5, "cut": 0, "timeout": 0, "cancelled": 0}
     console = Console(width=120, record=True)
     console.print(render(snap, "flags"))
-    assert "stream endings: done_marker 0, finish_reason 2, whole_answer 0, error 5, cut 0" in console.export_text()
+    assert ("stream endings: done_marker 0, finish_reason 2, whole_answer 0, error 5, cut 0, timeout 0, cancelled 0"
+            in console.export_text())
 
 
 def test_the_upstream_shows_while_its_first_streams_are_in_flight() -> None:

@@ -35,7 +35,8 @@
   ``finish_reason`` (:mod:`switchyard.gateway.decode`); a whole chat completion answering
   the stream request (a server or proxy that ignores ``stream``), under any Content-Type, ``text/event-stream``
   included, is a finished answer too: a body that does not open as events is read whole, whatever its label.
-  Each ending is counted in ``switchyard_upstream_stream_endings_total``.
+  Each stream's ending is counted once in ``switchyard_upstream_stream_endings_total``: those it was not read to
+  (a read timeout, the deadline, its caller leaving) included, so the endings add up to the streams opened.
 """
 
 from __future__ import annotations
@@ -169,16 +170,33 @@ async def _no_events() -> AsyncIterator[ServerSentEvent]:
     yield
 
 
-def _count_error(decoder: StreamDecoder) -> None:
-    """Count a stream that carried an error object, or a chunk that cannot be read (its decoder says so)."""
+def _count_error(decoder: StreamDecoder, error: GatewayError) -> None:
+    """Count a stream that ``error`` ended while it was read: one that carried an error object, or a chunk that
+    cannot be read (its decoder says so), as ``error``; one that ran past the call's deadline as ``timeout``, or as
+    ``cancelled`` where the deadline was the caller's (it gave up, as a cancel does). Other errors were counted
+    where they were found (:func:`_end`: a body that ended cut)."""
     if decoder.failed:
         UPSTREAM_STREAM_ENDINGS.labels("error").inc()
+    elif isinstance(error, UpstreamTimeout):
+        UPSTREAM_STREAM_ENDINGS.labels("cancelled" if error.callers_deadline else "timeout").inc()
 
 
-def _count_cut(error: GatewayError) -> None:
-    """Count a stream whose connection broke while its body was read."""
+def _count_broken(error: GatewayError) -> None:
+    """Count a stream whose body could not be read on (its transport's ``error``): the connection broke (``cut``),
+    or the body went silent past ``read_timeout_s`` (``timeout``)."""
     if isinstance(error, StreamBroken):
         UPSTREAM_STREAM_ENDINGS.labels("cut").inc()
+    elif isinstance(error, UpstreamTimeout):
+        UPSTREAM_STREAM_ENDINGS.labels("timeout").inc()
+
+
+def _count_left(call: "_Call") -> None:
+    """Count a stream no longer read before it ended: ``cancelled`` (its caller left, or stopped reading, or ran
+    out of its own deadline), or ``timeout`` where the call's deadline that ended it was
+    ``model_gateway.total_timeout_s`` (:func:`~switchyard.gateway.resilience.with_fallback` cancels the attempt
+    at it)."""
+    timed_out = asyncio.get_running_loop().time() >= call.deadline and not call.callers_deadline
+    UPSTREAM_STREAM_ENDINGS.labels("timeout" if timed_out else "cancelled").inc()
 
 
 @dataclass
@@ -532,6 +550,7 @@ class GatewayClient:
                 call, request, lambda e, m: self._open_stream(call, request, e, m))
             GATEWAY_TTFT.labels(model_names.model_label(model, self.config)).observe(time.monotonic() - started)
             ended_with: GatewayError | None = None  # what the endpoint's stream ended with, told to the pool
+            counted = opened.ended  # its ending counted (:data:`STREAM_ENDINGS`): each stream once
             try:
                 for event in opened.first:
                     sent += not isinstance(event, Finished)
@@ -555,6 +574,7 @@ class GatewayClient:
                             # server or proxy holding the response open after it turned a whole answer into a
                             # read timeout after its tokens)
                             break
+                    counted = True  # by _end, whatever it raises
                     for event in _end(opened.decoder):
                         finished = finished or isinstance(event, Finished)
                         yield event
@@ -563,14 +583,21 @@ class GatewayClient:
             except httpx.HTTPError as exc:
                 url = opened.endpoint.chat_completions
                 error = self._transport_error(exc, url, call.key)
-                _count_cut(error)
+                _count_broken(error)
+                counted = True
                 ended_with = error.from_replica(opened.endpoint.url, opened.endpoint.replica).after_tokens(sent)
                 raise ended_with from None
             except GatewayError as exc:
-                _count_error(opened.decoder)
+                if not counted:
+                    _count_error(opened.decoder, exc)
+                    counted = True
                 ended_with = (exc.naming(opened.endpoint.chat_completions)
                               .from_replica(opened.endpoint.url, opened.endpoint.replica).after_tokens(sent))
                 raise ended_with
+            except (asyncio.CancelledError, GeneratorExit):  # its caller left before the stream ended
+                if not counted:
+                    _count_left(call)
+                raise
             finally:
                 try:
                     if opened.decoder.done and ended_with is None:
@@ -927,7 +954,10 @@ class GatewayClient:
             await asyncio.wait((opening, marked_down), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # the caller left (cancelled): a stream the attempt opened meanwhile is read by no one
             if opening.done() and not opening.cancelled() and opening.exception() is None:
-                await opening.result().response.aclose()
+                unread = opening.result()
+                if not unread.ended:
+                    _count_left(call)
+                await unread.response.aclose()
             raise
         finally:
             marked_down.cancel()
@@ -1000,15 +1030,19 @@ class GatewayClient:
             await response.aclose()
             self.pool.lost(endpoint)
             error = self._transport_error(exc, url, call.key)
-            _count_cut(error)
+            _count_broken(error)
             raise error from None
         except GatewayError as exc:  # the decoder's: a cut, malformed or choiceless stream, or an error in it
             await response.aclose()
-            _count_error(decoder)
+            _count_error(decoder, exc)
             if decoder.error_data is not None and self._drop_refused(endpoint, decoder.error_status,
                                                                      decoder.error_data, body, call):
                 return None
             raise exc.naming(url) from None
+        except (asyncio.CancelledError, GeneratorExit):  # no longer waited for: the caller left, or the deadline
+            await response.aclose()
+            _count_left(call)
+            raise
         except BaseException:
             await response.aclose()
             raise

@@ -62,17 +62,21 @@ GATEWAY_CIRCUIT_TRANSITIONS = Counter(
     ["model", "from_state", "to_state"],
 )
 
-STREAM_ENDINGS = ("done_marker", "finish_reason", "whole_answer", "error", "cut")
+STREAM_ENDINGS = ("done_marker", "finish_reason", "whole_answer", "error", "cut", "timeout", "cancelled")
 """How an upstream stream ended: ``data: [DONE]``; a clean end after a ``finish_reason`` with no marker
 (``transformers serve``); no stream but the whole chat completion as JSON (a server or proxy ignoring
-``stream``); an error object inside the stream, or a chunk that cannot be read; or cut (the
-connection broke, or the body ended before any ``finish_reason``)."""
+``stream``); an error object inside the stream, or a chunk that cannot be read; cut (the connection broke, or the
+body ended before any ``finish_reason``); timeout (the body went silent past ``model_gateway.read_timeout_s``, or
+the call ran past ``total_timeout_s``); or cancelled (the gateway stopped reading it before it ended: its caller
+left or ran out of its own deadline, or a pool's endpoint was marked down while the call waited for its first
+item). Each stream the server answered is counted once, so the endings add up to the streams opened."""
 UPSTREAM_STREAM_ENDINGS = Counter(
     "switchyard_upstream_stream_endings_total",
     "Upstream completion streams by how they ended: done_marker (data: [DONE]), finish_reason (the body ended "
     "after a choice's finish_reason, without the marker), whole_answer (the whole chat completion as JSON, no "
-    "stream), error (an error object inside the stream, or a chunk "
-    "that cannot be read) or cut (connection broken, or ended before any finish_reason).",
+    "stream), error (an error object inside the stream, or a chunk that cannot be read), cut (connection broken, "
+    "or ended before any finish_reason), timeout (silent past model_gateway.read_timeout_s, or past "
+    "total_timeout_s) or cancelled (no longer read before it ended: its caller left or ran out of time).",
     ["ending"],
 )
 for _ending in STREAM_ENDINGS:
