@@ -410,6 +410,24 @@ def test_fault_specs():
             parse_fault(spec)
 
 
+@pytest.mark.parametrize("spec", ["said=connect to http://10.0.0.9:8000 failed", "retry_after=30", "retry_after_ms=500",
+                                  "retry_after_date=60", "fail_first=2", "cut_after=1,retry_after=3"])
+def test_a_fault_that_shapes_a_status_answer_is_refused_without_a_status(spec):
+    """``said``, the Retry-After keys and ``fail_first`` shape a status answer: alone they injected nothing and the
+    server started as if they did (every call served)."""
+    key = spec.split(",")[-1].partition("=")[0]
+    with pytest.raises(ValueError, match=f"{key} shapes a status answer and injects nothing without one; add status="):
+        parse_fault(spec)
+    assert parse_fault(f"status=503,{spec}").status == 503
+
+
+def test_a_fault_flags_head_that_is_both_a_key_and_a_served_model_is_refused():
+    """``--model said --fault 'said=status=502,said=...'`` read ``said`` as the key: the model got no fault."""
+    with pytest.raises(ValueError, match="'said' is both a fault key and a model served here"):
+        parse_flag("said=status=502", ["said", "ok"])
+    assert parse_flag("said=x,status=502", ["ok"]) == ("*", Fault(status=502, said="x"))
+
+
 def test_one_parser_owns_the_fault_flags_syntax_and_names_the_flag_and_what_was_expected():
     """sim-openai split the flag's head itself beside parse_flag, which took any head as a model: parse_flag with
     the served models refuses what the server refused, in the same words, and reads a key with spaces around it

@@ -93,6 +93,8 @@ class Fault:
 _INTS = {"status", "fail_first", "cut_after", "malformed_after", "stream_error", "reasoning"}
 _WORDS = {"finish", "stream_type", "said"}
 _STATUSES = {"status", "stream_error"}
+_WITH_STATUS = ("fail_first", "retry_after", "retry_after_ms", "retry_after_date", "said")
+"""Keys that shape a ``status`` answer, and do nothing without one."""
 
 
 def parse_fault(spec: str) -> Fault:
@@ -100,7 +102,8 @@ def parse_fault(spec: str) -> Fault:
 
     Raises:
         ValueError: an unknown key, a value that is not a number, a negative or infinite one, or a status outside
-            400-599, naming both.
+            400-599, naming both; a key that shapes a status answer (:data:`_WITH_STATUS`) without ``status``
+            (``said=...`` or ``retry_after=30`` alone injected nothing, and the server started as if it did).
     """
     known = {f.name for f in fields(Fault)}
     values: dict[str, object] = {}
@@ -127,6 +130,12 @@ def parse_fault(spec: str) -> Fault:
             raise ValueError(f"fault {item!r}: expected {key}=<an HTTP error status, 400 to 599>, got {raw.strip()!r}")
         if not 0 <= value < math.inf:
             raise ValueError(f"fault {item!r}: expected {key}=<a finite number >= 0>, got {raw.strip()!r}")
+    alone = [key for key in _WITH_STATUS if key in values]
+    if alone and "status" not in values:
+        one = len(alone) == 1
+        raise ValueError(f"fault {spec!r}: {', '.join(alone)} {'shapes' if one else 'shape'} a status answer and "
+                         f"{'injects' if one else 'inject'} nothing without one; add status=<an HTTP error status, "
+                         f"400 to 599>, e.g. status=503,{alone[0]}=...")
     return Fault(**values)  # type: ignore[arg-type]
 
 
@@ -150,10 +159,15 @@ def parse_flag(value: str, models: "Iterable[str] | None" = None) -> tuple[str, 
     Raises:
         ValueError: naming the flag and what was expected: a head that is neither a fault key nor one of
             ``models`` (``bogus=1`` was read as model ``bogus`` and said only "unknown key '1'"), a blank model
-            (``=status=503``), a flag with no fault (``flaky=``, ``''``), or :func:`parse_fault`'s error.
+            (``=status=503``), a flag with no fault (``flaky=``, ``''``), a head that is both a fault key and
+            one of ``models`` (``--model said --fault said=status=502`` read ``said`` as the key), or
+            :func:`parse_fault`'s error.
     """
     keys = sorted(f.name for f in fields(Fault))
     head, sep, rest = value.partition("=")
+    if sep and head.strip() in keys and models is not None and head in models:
+        raise ValueError(f"{value!r}: {head!r} is both a fault key and a model served here, so which it names is not "
+                         f"known; serve the model under another id (--model ID)")
     model, spec = (head, rest) if sep and head.strip() not in keys else ("*", value)
     if model != "*" and (not model.strip() or (models is not None and model not in models)):
         what = "a blank model id" if not model.strip() else f"{model!r} is neither a fault key nor a model served here"
