@@ -168,6 +168,23 @@ async def test_an_overloaded_servers_503_names_the_model_server_and_keeps_its_wo
                 f"server failed for model {MODEL!r}; retry later or check its logs") in text, text
 
 
+async def test_a_model_server_not_listening_is_named_without_its_host_or_port(clean_proxy_env, tmp_path):
+    """Nothing listens at the base URL (the server stopped): aiohttp's words name the socket address as Python
+    prints it, "Connect call failed ('127.0.0.1', 38281)"; a caller read "('[address hidden]', 38281)", the
+    model server's port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed when the block ends: nothing listens there
+    base_url = f"http://127.0.0.1:{port}/v1"
+    async with stack(config_for(base_url, tmp_path, **{"upstream.http_transport": "aiohttp"})) as s:
+        run = await s.run_error()
+        sse = await s.sse_error()
+    assert run.code() == grpc.StatusCode.UNAVAILABLE
+    for text in (run.details(), sse["message"]):
+        assert str(port) not in text and "127.0.0.1" not in text, text
+        assert "model gateway upstream unavailable at the model server" in text, text
+
+
 async def test_a_pools_replicas_are_named_without_their_addresses(clean_proxy_env, tmp_path):
     """``model_gateway.pool.endpoints``: two replicas, each answering 503; the caller reads neither address."""
     with start_sim(models=[MODEL], faults={"*": Fault(status=503)}) as first, \
@@ -324,6 +341,18 @@ HIDE = [
     ("model 'llama3:8000' not found upstream", "upstream model", "model 'llama3:8000' not found upstream"),
     ("no endpoint in the pool yet (http://vllm-headless:8000/v1 resolved to none)", "upstream model",
      "no endpoint in the pool yet (the model server resolved to none)"),
+    # a socket address as an OS error prints it (aiohttp's, asyncio's): host and port hidden together; the port
+    # was left beside a hidden host ("('[address hidden]', 38281)"), an IPv6 host not hidden at all
+    ("model gateway upstream unavailable at http://127.0.0.1:38281/v1/chat/completions (ConnectError: "
+     "ClientConnectorError: Cannot connect to host 127.0.0.1:38281 ssl:default [Connect call failed "
+     "('127.0.0.1', 38281)])", "upstream model",
+     f"model gateway upstream unavailable at the model server (ConnectError: ClientConnectorError: Cannot connect "
+     f"to host {HIDDEN} ssl:default [Connect call failed ({HIDDEN})])"),
+    ("Multiple exceptions: [Errno 111] Connect call failed ('::1', 8000, 0, 0), [Errno 111] Connect call failed "
+     "('10.0.3.7', 8000)", "upstream model",
+     f"Multiple exceptions: [Errno 111] Connect call failed ({HIDDEN}), [Errno 111] Connect call failed ({HIDDEN})"),
+    ("connect to (\"model-a.serving.svc\", 8000) failed; a caller's ('a', 1) is no address", "dispatcher",
+     f"connect to ({HIDDEN}) failed; a caller's ('a', 1) is no address"),
     # a proxy's error names the proxy and the model server it was calling
     ("local proxy failed: HTTPS_PROXY=http://proxy.corp:3128 did not answer (ConnectError) while calling "
      "http://10.0.3.7:8000/v1/chat/completions; start the proxy", "proxy",
