@@ -73,8 +73,9 @@ _ONE_LABEL_HOST_PORT = re.compile(r"(?<![\w.:/@'\"`-])(?=[\w-]*[A-Za-z])[A-Za-z0
                                   r":\d{2,5}(?![\w.]|:\d)")
 """A host name of one label with a port (``vllm-a:8000``): an address in an upstream's error, where no caller's
 id is named (a model id is quoted: ``'m:1234'``, Ollama's ``"m:1234"``, vLLM's ```m:1234```)."""
-_SOCKET_ADDRESS = re.compile(r"""\(\s*(['"])(?:\d{1,3}(?:\.\d{1,3}){3}|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*(?:%[\w.]+)?|localhost"""
-                             r"""|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+)\1\s*,\s*\d{1,5}(?:\s*,\s*\d+){0,2}\s*\)""")
+_SOCKET_ADDRESS = re.compile(r"""\(\s*(['"])(?:\d{1,3}(?:\.\d{1,3}){3}|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*(?:%[\w.]+)?"""
+                             r"""|localhost|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+)\1"""
+                             r"""\s*,\s*\d{1,5}(?:\s*,\s*\d+){0,2}\s*\)""")
 """A socket address as Python prints it, in an OS error's words (asyncio's and aiohttp's ``Connect call failed
 ('10.0.3.7', 8000)``, an IPv6 one ``('fd00::7', 8000, 0, 0)``): its host and port together, hidden whole (the
 IPv4 pattern alone left ``('[address hidden]', 8000)``, the port shown, and an IPv6 host unbracketed, shown)."""

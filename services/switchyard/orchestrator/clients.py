@@ -416,9 +416,9 @@ class InferenceClient:
         model list yet (it was down, or reports none), or a task names ``model``, one the answer kept does not
         list (the dispatcher then reads its upstream's list again: a model just loaded there is served), at
         most every :data:`MODEL_INFO_RETRY_S`; the answer kept before stands when that fails. One ask runs at a
-        time: a task naming a model the kept answer does not list (or while the window is unread) that comes while
-        it runs waits for its answer (the answer kept had refused a model just loaded upstream to every task that
-        came during the ask, and accepted the one that asked).
+        time: a task naming a model the kept answer does not list that comes while it runs waits for its answer
+        (the answer kept had refused a model just loaded upstream to every task that came during the ask, and
+        accepted the one that asked).
 
         Raises:
             ServiceUnavailable: the dispatcher is down, naming its address.
@@ -434,9 +434,11 @@ class InferenceClient:
             self._model_info_at, self._model_info_stale = time.monotonic(), False
             refresh = self._model_info_refresh = asyncio.ensure_future(self._ask_model_info_again(model, timeout_s))
             await asyncio.shield(refresh)  # a caller that leaves does not cancel the ask others wait for
-        elif refresh is not None and (unknown_model or unread):
+        elif refresh is not None and unknown_model:
             # asked again now, by another task (for this model, or for the same list): its answer is this one's too;
-            # the answer kept refused a model just loaded upstream to every task that came while it was asked
+            # the answer kept refused a model just loaded upstream to every task that came while it was asked. A
+            # task the kept answer serves does not wait (a window still unread is as unknown to the ask, mostly:
+            # transformers serve and TGI report none)
             await asyncio.shield(refresh)
         if self._model_info is None:
             address, channel = await self._route(None, frozenset())
