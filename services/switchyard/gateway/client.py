@@ -574,8 +574,9 @@ class GatewayClient:
                             # server or proxy holding the response open after it turned a whole answer into a
                             # read timeout after its tokens)
                             break
-                    counted = True  # by _end, whatever it raises
-                    for event in _end(opened.decoder):
+                    tail = _end(opened.decoder)  # counts the ending, or the cut it raises (an error it raises: below)
+                    counted = True
+                    for event in tail:
                         finished = finished or isinstance(event, Finished)
                         yield event
                 call.span.set_attribute("gen_ai.response.model", opened.decoder.model)
