@@ -519,3 +519,69 @@ async def test_a_task_store_outage_is_logged_once_when_it_begins_and_once_when_i
     assert len(cancels) == 2 and "failed" in cancels[0] and "again" in cancels[1], cancels
     assert "after 20 failed tries" in cancels[1], cancels
     assert len(leases) == 2 and "failed" in leases[0] and "again" in leases[1], leases
+
+
+async def test_a_live_orchestrators_lease_outlives_the_evictions_of_a_full_redis():
+    """The Redis of deploy/k8s/base/redis.yaml evicts under maxmemory with volatile-lru: any key with a TTL. The
+    lease was one (SET with PX), so a full Redis (agent memory and swapped KV state filling it) could evict a live
+    orchestrator's lease: another replica then read its owner dead, failed its RUNNING tasks as orphans ("stopped
+    while the task was RUNNING") and adopted its QUEUED ones. Here a real Redis at a small maxmemory under that
+    policy evicts TTL'd keys written after the lease; the lease, the task and its RUNNING state stay."""
+    import redis as sync_redis
+    from redis_fixtures import start_redis
+
+    from switchyard.common.config import DramTierConfig
+
+    server = start_redis()
+    try:
+        dram = DramTierConfig(embedded=False, host=server.host, port=server.port)
+        with sync_redis.Redis(host=server.host, port=server.port) as client:
+            a = RedisTaskStore(TaskStoreConfig(lease_s=60), dram)
+            await a.open()
+            await a.create("t-live", "fp", "")
+            assert await a.mark_running("t-live")
+            used = int(client.info("memory")["used_memory"])
+            client.config_set("maxmemory-policy", "volatile-lru")  # redis.yaml's policy
+            client.config_set("maxmemory", str(used + 2 * 1024 * 1024))
+            with client.pipeline(transaction=False) as pipe:
+                for i in range(2000):  # 20 MB of TTL'd entries (swapped KV state) into 2 MB of room
+                    pipe.set(f"{dram.key_prefix}kv:seq:fill-{i}", b"x" * 10_000, px=3_600_000)
+                pipe.execute()
+            assert int(client.info("stats")["evicted_keys"]) > 0  # the Redis was full and evicted
+            b = RedisTaskStore(TaskStoreConfig(lease_s=60), dram)
+            await b.open()  # its open sweeps for orphans
+            record = await b.get("t-live")
+            assert record is not None and record.state == agent_pb2.RUNNING, record
+            assert not await b._owner_dead(a.owner)
+            assert await a.finish("t-live", agent_pb2.SUCCEEDED)
+            await b.close()
+            await a.close()
+            assert await b._owner_dead(a.owner)  # a closed: its lease is gone
+    finally:
+        server.stop()
+
+
+async def test_leases_of_a_former_build_are_read_and_run_out_leases_are_purged(redis_db):
+    """In a rolling upgrade an orchestrator of the former build keeps its lease in its own key
+    (``orchestrator:{owner}``, with a TTL): it is alive while that key is, and its running task no orphan. A lease
+    that ran out (its orchestrator killed) is dropped from the hash by the purge, and reads as none already."""
+    import json
+
+    a = RedisTaskStore(TaskStoreConfig(), redis_db.dram_config)
+    await a.open()
+    client = redis_db.client()
+    try:
+        old_owner = "old-host:1:0123abcd"
+        await client.set(f"switchyard:orchestrator:{old_owner}",
+                         json.dumps({"expires_at": time.time() + 60, "host": "old-host", "pid": 1}), px=60_000)
+        assert not await a._owner_dead(old_owner)
+        await client.delete(f"switchyard:orchestrator:{old_owner}")
+        assert await a._owner_dead(old_owner)
+        await client.hset("switchyard:orchestrators", "gone:2:0123abcd",
+                          json.dumps({"expires_at": time.time() - 1, "host": "gone", "pid": 2}))
+        assert await a._owner_dead("gone:2:0123abcd")
+        await a._purge(time.time())
+        assert set(await client.hkeys("switchyard:orchestrators")) == {a.owner.encode()}  # the live one stays
+    finally:
+        await client.aclose()
+        await a.close()

@@ -11,14 +11,19 @@ It uses the DRAM tier's Redis (``memory_policy.toml [dram]``). Keys, under
 - ``tasks:unfinished``: a set of the task_ids not yet finished (the orphan sweep reads it);
 - ``tasks:finished``: a sorted set of finished task_ids by finish time (the
   ``max_finished_tasks`` bound);
-- ``orchestrator:{owner}``: an orchestrator's lease, expiring with it;
+- ``orchestrators``: a hash of the orchestrators' leases, owner -> JSON (expires_at, host, pid), with no TTL
+  of its own (see :data:`LEASES`); an expired entry is removed by the next purge;
 - ``cancels:{owner}``: a set of the task_ids other orchestrators asked ``owner`` to cancel
   (``SPOP``-ed by the owner; it expires ``3 * lease_s`` after the last request, as a dead owner's would).
 
 Create, update and the owner's compare-and-set (release, adopt) are Lua scripts, so a check and its write are one atomic step
 even with several replicas. For tasks to survive a restart of Redis itself, that
-Redis must persist (``appendonly yes``); the embedded Redis of ``switchyard up``
-does not, as it is a cache.
+Redis must persist (``appendonly yes``, as the embedded Redis of ``switchyard up`` and
+``deploy/k8s/base/redis.yaml`` do).
+
+Nothing a live task depends on has a TTL: a Redis full at ``maxmemory`` under a ``volatile-*`` policy
+(``volatile-lru`` in ``deploy/k8s/base/redis.yaml``) evicts only keys with one (agent memory, swapped KV state,
+finished tasks).
 """
 
 from __future__ import annotations
@@ -39,6 +44,15 @@ from switchyard.common.tenant import agent_key
 from switchyard.orchestrator.taskstore.base import Lease, TaskRecord, TaskStore, TaskStoreUnavailable
 
 T = TypeVar("T")
+
+LEASES = "orchestrators"
+"""The key (under ``key_prefix``) of the hash of every orchestrator's lease. Each lease had been a key of its own
+set with a TTL (``orchestrator:{owner}``, PX lease_s), which a full Redis under volatile-lru may evict: another
+replica then read a live orchestrator dead, failed its RUNNING tasks as orphans and adopted its QUEUED ones. The
+hash has no TTL, so it is never evicted; a lease's own ``expires_at`` says when it ran out."""
+LEGACY_LEASE = "orchestrator:"
+"""The key prefix of a lease as builds before :data:`LEASES` wrote it, still read (an orchestrator of the former
+build, in a rolling upgrade, is alive while its key is)."""
 
 AGENT_TASKS_KEPT = 8
 """Task ids remembered per agent: the latest answers GET /api/v1/agent/{agent_id}/status; the ones before it
@@ -122,6 +136,11 @@ def _record(task_id: str, flat: list[bytes] | dict[bytes, bytes]) -> TaskRecord:
     )
 
 
+def _read_lease(raw: bytes) -> Lease:
+    value = json.loads(raw)
+    return Lease(float(value["expires_at"]), str(value["host"]), int(value["pid"]))
+
+
 class RedisTaskStore(TaskStore):
     """Task records in Redis, shared by orchestrator replicas (see the module docstring)."""
 
@@ -140,6 +159,7 @@ class RedisTaskStore(TaskStore):
         self._unfinished_key = f"{self.prefix}tasks:unfinished"
         self._finished_key = f"{self.prefix}tasks:finished"
         self._agent_prefix = f"{self.prefix}agent:"
+        self._leases_key = f"{self.prefix}{LEASES}"
 
     def _task_key(self, task_id: str) -> str:
         return f"{self.prefix}task:{task_id}"
@@ -147,8 +167,8 @@ class RedisTaskStore(TaskStore):
     def _agent_key(self, agent_id: str, tenant_id: str) -> str:
         return f"{self._agent_prefix}{agent_key(tenant_id, agent_id)}:tasks"
 
-    def _lease_key(self, owner: str) -> str:
-        return f"{self.prefix}orchestrator:{owner}"
+    def _legacy_lease_key(self, owner: str) -> str:
+        return f"{self.prefix}{LEGACY_LEASE}{owner}"
 
     async def _do(self, call: Awaitable[T]) -> T:
         try:
@@ -244,17 +264,17 @@ class RedisTaskStore(TaskStore):
 
     async def _renew(self, lease: Lease) -> None:
         value = json.dumps({"expires_at": lease.expires_at, "host": lease.host, "pid": lease.pid})
-        await self._do(self.redis.set(self._lease_key(self.owner), value, px=int(self.config.lease_s * 1000)))
+        await self._do(self.redis.hset(self._leases_key, self.owner, value))
 
     async def _release(self) -> None:
-        await self._do(self.redis.delete(self._lease_key(self.owner)))
+        await self._do(self.redis.hdel(self._leases_key, self.owner))
 
     async def _lease(self, owner: str) -> Lease | None:
-        raw = await self._do(self.redis.get(self._lease_key(owner)))
-        if raw is None:
-            return None
-        value = json.loads(raw)
-        return Lease(float(value["expires_at"]), str(value["host"]), int(value["pid"]))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self._leases_key, owner).get(self._legacy_lease_key(owner))
+            raw, legacy = await self._do(pipe.execute())
+        raw = raw if raw is not None else legacy
+        return None if raw is None else _read_lease(raw)
 
     def _cancels_key(self, owner: str) -> str:
         return f"{self.prefix}cancels:{owner}"
@@ -289,4 +309,9 @@ class RedisTaskStore(TaskStore):
             if oldest:
                 await self._do(self.redis.delete(*(self._task_key(m.decode()) for m, _ in oldest)))
             removed += len(oldest)
+        # leases that ran out (their orchestrators stopped without releasing them): read as none already
+        leases = await self._do(self.redis.hgetall(self._leases_key))
+        expired = [owner for owner, raw in leases.items() if _read_lease(raw).expires_at < now]
+        if expired:
+            await self._do(self.redis.hdel(self._leases_key, *expired))
         return int(removed)
