@@ -178,3 +178,58 @@ async def test_tasks_queued_when_the_orchestrator_is_killed_run_once_after_its_r
         assert statuses[task_id].result.output == "The answer."
     started = [r.request_id.split(":")[0] for r in down.requests]
     assert sorted(started) == sorted(["running-0", *queued])  # each once
+
+
+async def test_tasks_held_when_redis_lost_every_record_are_answered_run_and_recorded_again(redis_db):
+    """A Redis restarted without persistence (or flushed) while an orchestrator held a running task and a queued
+    one: the running one's outcome was dropped (its write found no record to check the owner of) and the queued
+    one was never run, read as adopted by another orchestrator; GetTaskStatus answered both NOT_FOUND "never
+    submitted" meanwhile. Now both are answered from the orchestrator, run, and recorded again."""
+    from prometheus_client import REGISTRY
+    from test_submit_backlog import until
+
+    from switchyard.orchestrator.service import OrchestratorService
+
+    def written_again() -> float:
+        return REGISTRY.get_sample_value("switchyard_task_records_written_again_total") or 0.0
+
+    base = load_config("config", service="orchestrator")
+    down = Downstream()
+    down.gate = asyncio.Event()  # a task that reached Generate runs until it opens
+    async with running([down], base.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        cfg = base.with_overrides(**{
+            "orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
+            "orchestrator.cpu_executor": "loop", "orchestrator.max_running_submitted_tasks": 1,
+            "orchestrator.task_store.backend": "redis", **redis_db.overrides})
+        service = OrchestratorService(cfg)
+        async with running([service], cfg.server) as server:
+            channel = open_channel(f"127.0.0.1:{server.port}", cfg.server)
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            try:
+                for task_id in ("lost-running", "lost-queued"):
+                    await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id=task_id, payload="hello", task_type="chat"))
+                await until(lambda: len(down.requests) == 1)  # lost-running runs (the bound is 1), lost-queued waits
+                with redis_db.sync_client() as client:
+                    client.flushdb()  # every record gone, as from a Redis restarted without persistence
+                before = written_again()
+                status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="lost-running"))
+                assert status.state == agent_pb2.RUNNING, status
+                status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="lost-queued"))
+                assert status.state == agent_pb2.QUEUED, status
+                down.gate.set()
+                for task_id in ("lost-running", "lost-queued"):
+                    status = await final_status(stub, task_id)
+                    assert status.state == agent_pb2.SUCCEEDED, status
+                    for _ in range(500):  # the store has it again, with the outcome (written after it is answered)
+                        record = await service.tasks.get(task_id)
+                        if record is not None and record.finished:
+                            break
+                        await asyncio.sleep(0.02)
+                    assert record is not None and record.state == agent_pb2.SUCCEEDED, record
+                assert len(down.requests) == 2  # each ran once
+                # lost-running's outcome, lost-queued's start (its outcome then updates that record)
+                assert written_again() - before == 2
+            finally:
+                down.gate.set()
+                await channel.close()

@@ -585,3 +585,29 @@ async def test_leases_of_a_former_build_are_read_and_run_out_leases_are_purged(r
     finally:
         await client.aclose()
         await a.close()
+
+
+async def test_a_record_the_store_lost_is_written_again_by_its_holder_and_another_owners_is_not(make_store):
+    """A Redis restarted without persistence loses the records of the tasks an orchestrator holds: the start and
+    the outcome it then records write them again from the record it created (they had been refused as another
+    orchestrator's, the task dropped unrun or its outcome lost). A record another orchestrator holds is not
+    overwritten."""
+    a = await make_store()
+    recorded, _ = await a.create("gone-1", "fp", "trace-1", agent_id="agent-1", spec='{"x": 1}')
+    await a.delete("gone-1")  # the store lost it
+    assert await a.get("gone-1") is None
+    assert not await a.mark_running("gone-1")  # nothing to write it again from: refused, as before
+    assert await a.mark_running("gone-1", recorded)
+    again = await a.get("gone-1")
+    assert (again.state, again.owner, again.fingerprint, again.trace_id, again.agent_id, again.spec) == (
+        agent_pb2.RUNNING, a.owner, "fp", "trace-1", "agent-1", '{"x": 1}')
+    await a.delete("gone-1")
+    assert await a.finish("gone-1", agent_pb2.SUCCEEDED, result=b"r", recorded=recorded)
+    done = await a.get("gone-1")
+    assert (done.state, done.result) == (agent_pb2.SUCCEEDED, b"r") and done.finished_at is not None
+    b = await make_store()
+    theirs, _ = await b.create("theirs-1", "fp", "")
+    assert not await a.mark_running("theirs-1", theirs)  # b's: not a's to write
+    assert (await a.get("theirs-1")).owner == b.owner
+    await b.close()
+    await a.close()

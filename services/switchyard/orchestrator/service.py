@@ -757,7 +757,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             # others were admitted while the record was written (no await from here on)
             await self._delete_refused(spec.task_id)
             raise self._backlog_full()
-        position = self._submitted.add(Submitted(spec, trace_id, contextvars.copy_context()))
+        position = self._submitted.add(Submitted(spec, trace_id, contextvars.copy_context(), record))
         self._start_submitted()
         return record, agent_pb2.Accepted(task_id=spec.task_id, queue_position=position, trace_id=trace_id,
                                           state=agent_pb2.QUEUED)
@@ -807,7 +807,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 log.error("task %s: %s", record.task_id, error)
                 await self.tasks.finish(record.task_id, agent_pb2.FAILED, error=error)
                 continue
-            entry = Submitted(spec, record.trace_id, contextvars.copy_context())
+            entry = Submitted(spec, record.trace_id, contextvars.copy_context(), record)
             # its wait in the backlog counts from its submit, whichever orchestrator it waited on
             entry.submitted_at -= max(0.0, time.time() - record.created_at)
             self._submitted.add(entry)
@@ -867,7 +867,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             task.trace_id = entry.trace_id
             task.timings = entry.timings  # one Timings: its status shows the task's waits and stages as they come
             entry.task = task  # this run's wait in the backlog is in its timings already (SubmittedTasks.start_next)
-            if not await self._record_running(spec.task_id):
+            if not await self._record_running(entry):
                 # another orchestrator adopted it while this one's lease had run out (a stall, a partition from
                 # the store): it runs there, and must not run twice
                 log.warning("task %s: adopted by another orchestrator before it started here; not run here",
@@ -969,16 +969,18 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         own = tokens.tenant_of(authorization)
         return not own or own == (tenant_id or DEFAULT_TENANT)
 
-    async def _record_running(self, task_id: str) -> bool:
+    async def _record_running(self, entry: Submitted) -> bool:
         """Record RUNNING before the task's first step: from then on no other orchestrator adopts it (a task
         that may have generated tokens is never run twice). False when the record is another orchestrator's
-        now (it adopted the task). A store that refuses the write is logged and the task runs, as GetTaskStatus
-        answers this process's live state meanwhile; where this orchestrator alone lost the store for longer than
-        ``task_store.lease_s`` (a network partition), another one may have adopted the task as well."""
+        now (it adopted the task); a record the store lost (a Redis restarted without persistence) is written
+        again from ``entry.record`` and the task runs. A store that refuses the write is logged and the task runs,
+        as GetTaskStatus answers this process's live state meanwhile; where this orchestrator alone lost the store
+        for longer than ``task_store.lease_s`` (a network partition), another one may have adopted the task as
+        well."""
         try:
-            return await self.tasks.mark_running(task_id)
+            return await self.tasks.mark_running(entry.spec.task_id, entry.record)
         except SwitchyardError as exc:
-            log.warning("task %s: could not record RUNNING: %s", task_id, exc)
+            log.warning("task %s: could not record RUNNING: %s", entry.spec.task_id, exc)
             return True
 
     @staticmethod
@@ -1000,7 +1002,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             ):
                 with attempt:
                     await self.tasks.finish(task_id, state, result=result, error=error,
-                                            timings=live.timings.SerializeToString())
+                                            timings=live.timings.SerializeToString(), recorded=live.record)
         except SwitchyardError as exc:
             if self._closing_store:
                 log.error("task %s: %s, but the task store did not record it: %s; the orchestrator is stopping, "
@@ -1033,7 +1035,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         for task_id, (live, state, result, error) in list(self._unrecorded.items()):
             try:
                 await self.tasks.finish(task_id, state, result=result, error=error,
-                                        timings=live.timings.SerializeToString())
+                                        timings=live.timings.SerializeToString(), recorded=live.record)
             except SwitchyardError:
                 continue
             del self._unrecorded[task_id]
@@ -1255,7 +1257,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         its delete, is NOT_FOUND saying so. A task that
         was queued or running on an orchestrator that has since died is FAILED, naming it. A caller whose bearer
         token names a tenant sees only that tenant's tasks: another tenant's is NOT_FOUND, in the words of a task
-        that does not exist (its existence is not told).
+        that does not exist (its existence is not told). A task this orchestrator holds (queued, running, or
+        finished with its outcome not yet recorded) is answered from here while the store is down or has no record
+        of it (a Redis restarted without persistence); any other task then reads UNAVAILABLE, or NOT_FOUND.
         """
         if not request.task_id and not request.agent_id:
             await self._abort(context, SwitchyardError(
@@ -1264,6 +1268,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         ids = (request.task_id, request.agent_id)  # the caller's own, left as they are in its errors
         await self._check_lookup_ids(context, request.task_id, request.agent_id)
         retention = self.config.orchestrator.task_store.retention_s
+        # A task this process holds is answered from here where the store cannot say (down, or it lost the record:
+        # a Redis restarted without persistence): its caller read UNAVAILABLE, or NOT_FOUND "never submitted", for
+        # a task queued or running here, whose outcome the store gets again once it answers.
+        held = self._submitted.get(request.task_id) if request.task_id else None
         try:
             # the agent is the caller's tenant's, resolved as SubmitTask resolves it
             tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens()) if request.agent_id else ""
@@ -1272,7 +1280,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             else:
                 record = await self.tasks.latest_of_agent(request.agent_id, tenant)
         except SwitchyardError as exc:
-            await self._abort(context, exc, ids)
+            if held is None or held.record is None:
+                await self._abort(context, exc, ids)
+            record = None
+        if record is None and held is not None:
+            record = held.record
         if record is not None and not self._visible_to_caller(record.tenant_id, context):
             record = None
         if (record is not None and request.task_id and request.agent_id

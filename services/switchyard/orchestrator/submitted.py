@@ -31,6 +31,7 @@ from switchyard.common.metrics import QUEUE_WAIT, QUEUE_WAIT_OUTCOMES
 from switchyard.common.priority import PriorityClass
 from switchyard.orchestrator.metrics import SUBMITTED_QUEUE, SUBMITTED_TASKS
 from switchyard.orchestrator.task import Task
+from switchyard.orchestrator.taskstore.base import TaskRecord
 from switchyard.orchestrator.validation import TaskSpec
 
 _QUEUED = SUBMITTED_TASKS.labels("queued")
@@ -47,13 +48,18 @@ class Submitted:
         trace_id: the trace of the SubmitTask call (empty with tracing off).
         context: the SubmitTask call's context (its span): the task's workflow runs in it, so its spans join
             the submit's trace whenever it starts.
+        record: the task store's record of it as this orchestrator wrote or adopted it (None: none), written
+            again from here where the store lost it (``TaskStore.mark_running``, ``TaskStore.finish``).
     """
 
     __slots__ = ("spec", "trace_id", "context", "priority", "submitted_at", "first_started_at", "state", "timings",
-                 "final", "runner", "started", "cancelled", "task", "waits_again", "refused_alone", "deadline_s")
+                 "final", "runner", "started", "cancelled", "task", "waits_again", "refused_alone", "deadline_s",
+                 "record")
 
-    def __init__(self, spec: TaskSpec, trace_id: str, context: contextvars.Context) -> None:
+    def __init__(self, spec: TaskSpec, trace_id: str, context: contextvars.Context,
+                 record: TaskRecord | None = None) -> None:
         self.spec = spec
+        self.record = record
         self.trace_id = trace_id
         self.context = context
         self.priority = PriorityClass.from_proto(spec.priority)

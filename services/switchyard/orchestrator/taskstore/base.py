@@ -36,7 +36,7 @@ import socket
 import time
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -75,6 +75,12 @@ STORE_DURATION = Histogram(
 TASKS_ORPHANED = Counter(
     "switchyard_tasks_orphaned_total",
     "RUNNING tasks reported FAILED because the orchestrator that ran them stopped (its lease ran out).",
+)
+TASK_RECORDS_WRITTEN_AGAIN = Counter(
+    "switchyard_task_records_written_again_total",
+    "Records of tasks this orchestrator held (queued or running) that the task store no longer had when it went to "
+    "record their start or outcome (a Redis restarted without persistence, a flushed database), written again from "
+    "what it holds.",
 )
 TASKS_ADOPTED = Counter(
     "switchyard_tasks_adopted_total",
@@ -228,6 +234,8 @@ class TaskStore(ABC):
         not in it: thousands of claims must not hold up the lease's renewal (a lease run out meanwhile lets the
         others adopt this one's tasks). Its errors are logged."""
         self._adopting: asyncio.Task[None] | None = None
+        self._lost_warned_at: float | None = None
+        """When a lost record was last logged at WARNING (:meth:`_write_again`): at most one a minute."""
 
     # ------------------------------------------------------------------ backend
 
@@ -393,11 +401,41 @@ class TaskStore(ABC):
                 record = await self._get(task_id)
         return record
 
-    async def mark_running(self, task_id: str) -> bool:
+    async def mark_running(self, task_id: str, recorded: TaskRecord | None = None) -> bool:
         """Record RUNNING; False when the record is no longer this orchestrator's (another adopted it while this
-        one's lease had run out): the task must not run here."""
+        one's lease had run out): the task must not run here.
+
+        ``recorded``: the record this orchestrator wrote or adopted for the task. Where the store has no record
+        under ``task_id`` at all (a Redis restarted without persistence, a flushed database), it is written again
+        from ``recorded``, RUNNING, and the task runs (:meth:`_write_again`): read as adopted by another, the task
+        was dropped unrun, and GetTaskStatus answered NOT_FOUND "never submitted"."""
         with STORE_DURATION.labels("update").time():
-            return await self._update(task_id, self.owner, agent_pb2.RUNNING)
+            if await self._update(task_id, self.owner, agent_pb2.RUNNING):
+                return True
+            return await self._write_again(recorded, agent_pb2.RUNNING)
+
+    async def _write_again(self, recorded: TaskRecord | None, state: int, **fields: object) -> bool:
+        """Write ``recorded`` again, owned by this orchestrator, and set ``state`` and ``fields`` on it, where the
+        store has no record under its task_id (an update found none to check the owner of); False where it has
+        one (another orchestrator's), or ``recorded`` is None. Counted in
+        ``switchyard_task_records_written_again_total``; a WARNING at most once a minute says why."""
+        if recorded is None or await self._get(recorded.task_id) is not None:
+            return False
+        again = replace(recorded, state=agent_pb2.QUEUED, owner=self.owner, error="", result=b"", timings=b"",
+                        updated_at=time.time(), finished_at=None)
+        _, created = await self._create(again)
+        if not created or not await self._update(recorded.task_id, self.owner, state, **fields):
+            return False
+        TASK_RECORDS_WRITTEN_AGAIN.inc()
+        now = time.monotonic()
+        if self._lost_warned_at is None or now - self._lost_warned_at >= 60.0:
+            self._lost_warned_at = now
+            log.warning("task store (%s) had no record of task %s, which this orchestrator holds: written again "
+                        "(a store restarted without persistence, or flushed, lost the records of every task in it; "
+                        "those of tasks no orchestrator held are gone; switchyard_task_records_written_again_total "
+                        "counts the records written again, this line is logged at most once a minute)",
+                        self.name, recorded.task_id)
+        return True
 
     async def release(self, task_id: str) -> bool:
         """Give up a QUEUED task of this orchestrator's unstarted (a graceful stop): its owner becomes
@@ -445,11 +483,16 @@ class TaskStore(ABC):
                 records.append(record)
         return records
 
-    async def finish(self, task_id: str, state: int, result: bytes = b"", error: str = "", timings: bytes = b"") -> bool:
-        """Record SUCCEEDED (with ``result``) or FAILED (with ``error``); False when the record was not ours."""
+    async def finish(self, task_id: str, state: int, result: bytes = b"", error: str = "", timings: bytes = b"",
+                     recorded: TaskRecord | None = None) -> bool:
+        """Record SUCCEEDED (with ``result``) or FAILED (with ``error``); False when the record was not ours.
+        ``recorded``: as :meth:`mark_running`'s, written again with the outcome where the store lost the record
+        (the outcome had been dropped, and the task answered NOT_FOUND)."""
+        fields: dict[str, object] = {"result": result, "error": error, "timings": timings, "finished_at": time.time()}
         with STORE_DURATION.labels("update").time():
-            return await self._update(task_id, self.owner, state, result=result, error=error, timings=timings,
-                                      finished_at=time.time())
+            if await self._update(task_id, self.owner, state, **fields):
+                return True
+            return await self._write_again(recorded, state, **fields)
 
     async def delete(self, task_id: str) -> None:
         with STORE_DURATION.labels("delete").time():
