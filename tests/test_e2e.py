@@ -152,7 +152,7 @@ def test_cli_run_given_its_address_runs_from_a_folder_without_config(tmp_path, m
     monkeypatch.delenv("SWITCHYARD_CONFIG_DIR", raising=False)
     assert client.main(["--addr", f"127.0.0.1:{port}", "--timeout", "5", "hello"]) == 1  # it tried: nothing there
     err = capsys.readouterr().err
-    assert "no config folder at" in err and "plaintext gRPC" in err and f"nothing answers at 127.0.0.1:{port}" in err
+    assert "no config folder at" in err and "over plaintext" in err and f"nothing answers at 127.0.0.1:{port}" in err
     assert client.main(["--timeout", "5", "hello"]) == 2  # no address: the config says where, and is missing
     assert "config folder not found" in capsys.readouterr().err
 

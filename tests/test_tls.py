@@ -331,3 +331,56 @@ async def test_doctor_checks_the_certificates_of_the_addresses_it_will_dial(pki,
     assert "DNS:localhost" in checks["tls dispatcher"].detail and "server_name" in checks["tls dispatcher"].fix
     assert checks["tls orchestrator"].ok and "nothing answers" in checks["tls orchestrator"].detail
     assert await doctor.certificate_checks(SwitchyardConfig()) == []  # TLS off: nothing to check
+
+
+# --------------------------------------------------------------------------- clients from outside the repository
+
+
+async def test_switchyard_run_outside_the_repository_reaches_a_tls_stack_by_switchyard_tls_dir(
+        pki, tmp_path, monkeypatch, capsys):
+    """`switchyard run --addr` where no config/ is took the bare built-in defaults: SWITCHYARD_TLS_DIR (the
+    documented way to give TLS from a mounted Secret) was not read, it dialled plain text and read grpc's "Socket
+    closed", and it said "nothing answers at ...: is the stack running?" of a running TLS orchestrator. It reads
+    the environment's TLS now, and one that sends plain text to a TLS server is told so."""
+    from switchyard import client
+    from switchyard.common.config import load_config
+    from switchyard.orchestrator.service import OrchestratorService
+
+    secret = tmp_path / "tls"  # the layout of a kubernetes.io/tls Secret plus its CA
+    secret.mkdir()
+    for source, name in (("cert.pem", "tls.crt"), ("key.pem", "tls.key"), ("ca.pem", "ca.crt")):
+        shutil.copy(pki / source, secret / name)
+    served = tls(pki)
+    async with running([Downstream()], served) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        cfg = load_config("config", service="orchestrator").with_overrides(**{
+            "orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
+            "orchestrator.cpu_executor": "loop", "server.tls.enabled": True,
+            "server.tls.cert_file": served.tls.cert_file, "server.tls.key_file": served.tls.key_file,
+            "server.tls.ca_file": served.tls.ca_file})
+        async with running([OrchestratorService(cfg)], cfg.server) as orchestrator:
+            outside = tmp_path / "elsewhere"
+            outside.mkdir()
+            monkeypatch.chdir(outside)
+            monkeypatch.delenv("SWITCHYARD_CONFIG_DIR", raising=False)
+            monkeypatch.delenv("SWITCHYARD_TLS_DIR", raising=False)
+            argv = ["--addr", f"127.0.0.1:{orchestrator.port}", "--task-type", "chat", "--timeout", "20", "hello"]
+            assert await asyncio.to_thread(client.main, argv) == 1  # plain text to a TLS server
+            err = capsys.readouterr().err
+            assert (f"127.0.0.1:{orchestrator.port} serves TLS and this client sent plain text: set "
+                    "SWITCHYARD_TLS_DIR") in err, err
+            assert "nothing answers" not in err, err
+            monkeypatch.setenv("SWITCHYARD_TLS_DIR", str(secret))
+            assert await asyncio.to_thread(client.main, argv) == 0
+            out = capsys.readouterr()
+            assert "over TLS from the environment (SWITCHYARD_TLS_DIR)" in out.err, out.err
+            assert "error" not in out.err, out.err
+
+
+async def test_speaks_tls_tells_a_tls_server_from_a_plain_one_and_from_nothing(pki):
+    from switchyard.common.tls_check import speaks_tls
+
+    async with running([Downstream()], tls(pki)) as secure, running([Downstream()], ServerConfig()) as plain:
+        assert await speaks_tls(f"127.0.0.1:{secure.port}")
+        assert not await speaks_tls(f"127.0.0.1:{plain.port}")
+    assert not await speaks_tls(f"127.0.0.1:{free_port('127.0.0.1')}")  # nothing listens

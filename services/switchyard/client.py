@@ -16,10 +16,10 @@ import sys
 import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, config_folder, load_config
+from switchyard.common.config import ConfigError, ServerConfig, builtin_config, config_folder, load_config
 from switchyard.common.client_token import TokenError, add_token_options, bearer_token
 from switchyard.common.channels import MAX_CALL_TIMEOUT_S, open_channel
-from switchyard.common.tls_check import explain, looks_like_tls_failure
+from switchyard.common.tls_check import PLAINTEXT_TO_TLS, explain, looks_like_tls_failure, speaks_tls
 from switchyard.common.cli_text import parser_for
 from switchyard.common.errors import InvalidArgument
 from switchyard.common.grpc_target import address_problem
@@ -246,17 +246,20 @@ def main(argv: list[str]) -> int:
         parser.error(f"--addr: expected host:port such as 127.0.0.1:50051, a port in 1-65535, got {address!r} "
                      f"({problem})")
     folder = config_folder(args.config_dir)
-    if address is not None and args.config_dir is None and not folder.is_dir():
-        # a client given its address needs the config only for TLS: the built-in defaults (plaintext)
-        print(f"switchyard run: no config folder at {folder.resolve()}: plaintext gRPC to {address} (the built-in "
-              "defaults; --config-dir names a folder whose server.tls is on)", file=sys.stderr)
-        config = SwitchyardConfig()
-    else:
-        try:
+    try:
+        if address is not None and args.config_dir is None and not folder.is_dir():
+            # a client given its address needs the config only for TLS: the built-in defaults, and the
+            # environment's TLS (SWITCHYARD_TLS_DIR, SWITCHYARD_TLS_SERVER_NAME, SWITCHYARD_TLS_CLIENT_AUTH)
+            config = builtin_config()
+            how = ("TLS from the environment (SWITCHYARD_TLS_DIR)" if config.server.tls.enabled else
+                   "plaintext (SWITCHYARD_TLS_DIR, or --config-dir naming a folder whose server.tls is on, for TLS)")
+            print(f"switchyard run: no config folder at {folder.resolve()}: gRPC to {address} over {how}",
+                  file=sys.stderr)
+        else:
             config = load_config(args.config_dir)  # the address, and TLS when server.tls is on
-        except (ConfigError, ValueError) as exc:
-            print(f"switchyard run: bad configuration:\n{exc}", file=sys.stderr)
-            return 2
+    except (ConfigError, ValueError) as exc:
+        print(f"switchyard run: bad configuration:\n{exc}", file=sys.stderr)
+        return 2
     if address is None:
         address = f"{config.server.host}:{config.orchestrator.port}"
     request = agent_pb2.RunTaskRequest(
@@ -288,13 +291,19 @@ def main(argv: list[str]) -> int:
         elif err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _REFUSED_ON_OUR_DEADLINE in (err.details() or ""):
             print(f"this command's --timeout ({args.timeout:g} s) is the task's deadline, and its measured work "
                   "does not fit in it: raise it for a longer task", file=sys.stderr)
+        tls_failed = config.server.tls.enabled and looks_like_tls_failure(err.details() or "")
+        plain_to_tls = (err.code() == grpc.StatusCode.UNAVAILABLE and not config.server.tls.enabled
+                        and bool(_CUT.search(err.details() or "")) and asyncio.run(speaks_tls(address)))
         elsewhere = not_grpc_here(address, err.details() or "", config.orchestrator.port)
         not_agent = not_agent_service_here(address, err.code(), err.details() or "", config.orchestrator.port)
-        if err.code() == grpc.StatusCode.UNAVAILABLE and elsewhere is not None or not_agent is not None:
+        if plain_to_tls:
+            print(PLAINTEXT_TO_TLS.format(address=address), file=sys.stderr)
+        elif err.code() == grpc.StatusCode.UNAVAILABLE and elsewhere is not None or not_agent is not None:
             print(f"{elsewhere or not_agent}; --addr takes that port", file=sys.stderr)
             if not_agent is not None and (up_stack := up_stack_elsewhere(address, "run --addr")) is not None:
                 print(up_stack, file=sys.stderr)
-        elif err.code() == grpc.StatusCode.UNAVAILABLE and _UNREACHABLE.search(err.details() or ""):
+        elif (err.code() == grpc.StatusCode.UNAVAILABLE and _UNREACHABLE.search(err.details() or "")
+              and not tls_failed):  # a TLS failure is something answering: explained below
             print(f"nothing answers at {address}: is the stack running (`make run` or `switchyard up`)? "
                   "--addr names another orchestrator", file=sys.stderr)
             if (up_stack := up_stack_elsewhere(address, "run --addr")) is not None:
@@ -303,7 +312,7 @@ def main(argv: list[str]) -> int:
             print(f"the connection to the orchestrator at {address} broke before the task ended (it stopped or was "
                   "killed, or something between cut it); a RunTask ends with its call and leaves no record: run it "
                   "again once the orchestrator answers", file=sys.stderr)
-        if config.server.tls.enabled and looks_like_tls_failure(err.details() or ""):
+        if tls_failed:
             print(asyncio.run(explain(address, config.server.tls)), file=sys.stderr)
         return 1
     except KeyboardInterrupt:

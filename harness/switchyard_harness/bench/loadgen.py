@@ -44,6 +44,7 @@ from switchyard.common.channels import MAX_CALL_TIMEOUT_S, open_channel
 from switchyard.common.children import die_with_parent
 from switchyard.common.config import RequestLimitsConfig, ServerConfig, TlsConfig
 from switchyard.common.grpc_target import address_problem
+from switchyard.common.tls_check import speaks_tls
 
 # One client process receives roughly this many stream messages per second on a
 # fully used core (grpc.aio + protobuf decode). Measured: 14,200 token events/s at
@@ -248,6 +249,10 @@ async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any =
             up_stack = up_stack_elsewhere(plan.host, "bench run")  # up --free-ports: not the config's ports
             elsewhere = "" if up_stack is None else f"; {up_stack}"
             answers = await _not_grpc_here(channel, plan.host)
+            if plan.server_config() is None and await speaks_tls(plan.host):
+                raise TimeoutError(f"cannot reach the orchestrator at {plan.host}: it serves TLS and this run sent "
+                                   "plain text: pass --cacert FILE, the CA bundle that signs its certificate (ghz's "
+                                   f"flag){elsewhere}") from None
             if answers is not None:
                 raise TimeoutError(f"cannot reach the orchestrator at {plan.host}: {answers}{elsewhere}") from None
             raise TimeoutError(

@@ -140,6 +140,27 @@ def _describe_certificate(check: TlsCheck, der: bytes) -> None:
         f"IP:{ip}" for ip in sans.get_values_for_type(x509.IPAddress)]
 
 
+async def speaks_tls(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether a TLS handshake (no certificate checked) completes at ``address``: a client that sent plain text
+    there read only grpc's "Socket closed" (the server drops a connection whose first bytes are no ClientHello),
+    and was told nothing answers. False where nothing answers, the handshake fails, or the address has no port."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.set_alpn_protocols(["h2"])
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        host, port = host_port(address)
+        await _handshake(host, port, context, host, timeout_s)
+    except (OSError, ssl.SSLError, TimeoutError, ValueError):
+        return False
+    return True
+
+
+PLAINTEXT_TO_TLS = ("{address} serves TLS and this client sent plain text: set SWITCHYARD_TLS_DIR to the folder "
+                    "holding the CA bundle ca.crt (or --config-dir to a folder whose server.tls is on)")
+"""What a client says where :func:`speaks_tls` found TLS at the address it reached in plain text."""
+
+
 async def check_certificate(address: str, tls: TlsConfig, timeout_s: float = 3.0) -> TlsCheck:
     """Check the certificate ``address`` presents against ``tls`` (``ca_file``, the dialled name).
 

@@ -43,7 +43,7 @@ from switchyard.common.config.batching import BatchingConfig
 from switchyard.common.config.dispatcher import DispatcherConfig
 from switchyard.common.config.engines import SimEngineConfig, TorchEngineConfig
 from switchyard.common.config.limits import RequestLimitsConfig
-from switchyard.common.config.loader import config_folder, load_config
+from switchyard.common.config.loader import builtin_config, config_folder, load_config
 from switchyard.common.config.memory import (
     AgentMemoryConfig,
     DramTierConfig,
@@ -91,5 +91,5 @@ __all__ = [
     "RetrievalConfig", "ScanConfig", "SchedulerConfig", "Section", "ServerConfig", "SimEngineConfig",
     "SloConfig", "SwitchyardConfig", "TaskStoreConfig", "TlsConfig", "TorchEngineConfig", "TtftSloConfig",
     "UpstreamConfig", "UpstreamPoolConfig", "ValueScoreConfig",
-    "config_folder", "load_config", "sections_read_by",
+    "builtin_config", "config_folder", "load_config", "sections_read_by",
 ]

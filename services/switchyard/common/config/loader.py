@@ -291,6 +291,19 @@ def load_config(config_dir: str | Path | None = None, service: str | tuple[str, 
     return config.with_overrides_from(overrides, _env_sources(), "environment")
 
 
+def builtin_config() -> SwitchyardConfig:
+    """The built-in defaults with the environment's overrides (:data:`ENV_KEYS`, :data:`ENV_SPREAD`) applied: the
+    config of a client given an address and no config folder (``switchyard run --addr`` where no ``config/`` is).
+    Such a client had taken the bare defaults, so ``SWITCHYARD_TLS_DIR`` (the documented way to point it at a TLS
+    stack) was not read and it dialled plain text.
+
+    Raises:
+        ConfigError: an override's value is invalid, naming its variable.
+        ValueError: an environment override is malformed (naming the variable).
+    """
+    return SwitchyardConfig().with_overrides_from(_env_overrides(set(SECTIONS)), _env_sources(), "environment")
+
+
 def _env_sources() -> dict[str, str]:
     """Each key a variable of :data:`ENV_KEYS` or :data:`ENV_SPREAD` sets -> the variable as it is set
     (``environment variable SWITCHYARD_UPSTREAM_BASE_URL='http://x:99999/v1'``), for a refusal to name."""
