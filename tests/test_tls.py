@@ -384,3 +384,56 @@ async def test_speaks_tls_tells_a_tls_server_from_a_plain_one_and_from_nothing(p
         assert await speaks_tls(f"127.0.0.1:{secure.port}")
         assert not await speaks_tls(f"127.0.0.1:{plain.port}")
     assert not await speaks_tls(f"127.0.0.1:{free_port('127.0.0.1')}")  # nothing listens
+
+
+@pytest.mark.parametrize("window", ["expired", "not yet valid"])
+async def test_a_server_whose_certificate_is_not_valid_now_refuses_to_start_naming_it(tmp_path, window):
+    """A server presenting an expired certificate started, logged it as served, and every peer's handshake failed
+    ("certificate has expired", thousands of grpc lines) while `switchyard up` waited out --ready-timeout (180 s)
+    and then suggested raising it. It refuses to start now, naming the file, its validity and the time."""
+    import datetime
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca = trustme.CA()
+    if window == "expired":
+        leaf = ca.issue_cert("127.0.0.1", not_before=now - datetime.timedelta(days=10),
+                             not_after=now - datetime.timedelta(days=1))
+    else:
+        leaf = ca.issue_cert("127.0.0.1", not_before=now + datetime.timedelta(days=1),
+                             not_after=now + datetime.timedelta(days=10))
+    leaf.private_key_pem.write_to_path(tmp_path / "key.pem")
+    leaf.cert_chain_pems[0].write_to_path(tmp_path / "cert.pem")
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    config = ServerConfig(tls=TlsConfig(enabled=True, cert_file=str(tmp_path / "cert.pem"),
+                                        key_file=str(tmp_path / "key.pem"), ca_file=str(tmp_path / "ca.pem")))
+    with pytest.raises(ConfigError) as refused:
+        async with running([Downstream()], config):
+            pass
+    message = str(refused.value)
+    what = "it expired" if window == "expired" else "it is not valid yet"
+    assert message.startswith(f"server.tls.cert_file {tmp_path / 'cert.pem'}: {what}: valid "), message
+    assert ", now " in message and "install a certificate valid now" in message, message
+
+
+def test_switchyard_up_names_a_tls_failure_of_its_health_checks_at_once(named_pki, tmp_path):
+    """A certificate without the address the launcher dials (127.0.0.1): `switchyard up` waited --ready-timeout
+    (180 s) on health checks that could never pass, then said to raise it; it stops at the first TLS failure,
+    naming the dialled name and the certificate's names."""
+    secret = tmp_path / "tls"
+    secret.mkdir()
+    for source, name in (("cert.pem", "tls.crt"), ("key.pem", "tls.key"), ("ca.pem", "ca.crt")):
+        shutil.copy(named_pki / source, secret / name)
+    config_dir = tmp_path / "config"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "config", config_dir)
+    toml = config_dir / "memory_policy.toml"
+    toml.write_text(toml.read_text().replace("embedded = true", "embedded = false"))  # no Redis needed here
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("OTEL_")}
+    env.update(SWITCHYARD_TLS_DIR=str(secret), SWITCHYARD_UP_FILE=str(tmp_path / "up.json"))
+    done = subprocess.run(
+        [sys.executable, "-m", "switchyard.cli", "up", "--config-dir", str(config_dir), "--free-ports",
+         "--data-dir", str(tmp_path / "data"), "--ready-timeout", "600"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "health check at 127.0.0.1:" in done.stderr and "failed TLS" in done.stderr, done.stderr[-3000:]
+    assert "dialled name '127.0.0.1'" in done.stderr and "DNS:localhost" in done.stderr, done.stderr[-3000:]
+    assert "--ready-timeout" not in done.stderr.split("failed TLS", 1)[1], done.stderr[-3000:]

@@ -54,6 +54,7 @@ reads the folder next (common/up_files.py)::
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import math
@@ -80,6 +81,7 @@ from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig
 from switchyard.common.config.server import port_clash
 from switchyard.common.server import GRPC_SERVICES, STREAM_END_MARGIN_S, bind_error
 from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redis_server_binary
+from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.serve import service_section
 
 ORDER = ("retrieval", "dispatcher", "orchestrator")
@@ -194,14 +196,24 @@ def _remove_up_file(path: Path) -> None:
 def healthy(address: str, service: str, timeout: float = 1.0, config: ServerConfig | None = None) -> bool:
     """True when ``service`` at ``address`` answers its health check with SERVING (over TLS when
     ``config.tls`` says so)."""
+    return health_check(address, service, timeout, config) == ""
+
+
+def health_check(address: str, service: str, timeout: float = 1.0, config: ServerConfig | None = None) -> str:
+    """``""`` when ``service`` at ``address`` answers its health check with SERVING, else why not: the call's
+    status and grpc's details, or the status it answered."""
     with open_sync_channel(address, config) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError as err:
+            code = err.code() if isinstance(err, grpc.Call) else None
+            details = err.details() if isinstance(err, grpc.Call) else str(err)
+            return f"{code.name if code is not None else 'error'}: {details or ''}"
+    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+        return ""
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def _listening_ports(config: SwitchyardConfig, plan: list[tuple[str, str, int, int, int | None]],
@@ -438,8 +450,15 @@ def main(argv: list[str]) -> int:
                 services.append(Child(name, port, metrics_port, proc, kind, port_file))
             deadline = time.monotonic() + args.ready_timeout
             for child in services[-len(started):]:
-                while not (child.read_ports()
-                           and healthy(f"{host}:{child.port}", GRPC_SERVICES[child.kind], config=config.server)):
+                why = ""
+                while not (child.read_ports() and not (why := health_check(
+                        f"{host}:{child.port}", GRPC_SERVICES[child.kind], config=config.server))):
+                    if config.server.tls.enabled and looks_like_tls_failure(why):
+                        # it listens (its port file is written) and every handshake fails: no wait makes it healthy
+                        address = f"{host}:{child.port}"
+                        print(f"switchyard up: {child.name}'s health check at {address} failed TLS ({why}); "
+                              f"{asyncio.run(explain(address, config.server.tls))}", file=sys.stderr)
+                        return 1
                     if stopping:
                         return 0
                     if (gone := _redis_exit(redis)) is not None:

@@ -248,16 +248,41 @@ def check_certificate_file(tls: TlsConfig, dialled: str, address: str = "") -> T
     except Exception as exc:  # noqa: BLE001 - unreadable or unparsable PEM
         check.problem = f"could not read the certificate files: {type(exc).__name__}: {exc}"
         return check
-    now = time.time()
     if not any(_issued_by(leaf, authority) for authority in authorities):
         check.problem = (f"its issuer {check.issuer} did not sign it with any certificate of server.tls.ca_file "
                          f"{tls.ca_file}")
-    elif not leaf.not_valid_before_utc.timestamp() <= now <= leaf.not_valid_after_utc.timestamp():
-        check.problem = f"it is not valid now (valid {leaf.not_valid_before_utc.isoformat()} to {check.not_after})"
+    elif (invalid := not_valid_now(leaf)) is not None:
+        check.problem = invalid
     elif not name_matches(dialled, check.names):
         check.problem = (f"{dialled!r} is not among the certificate's names; dial one of them or set "
                          "server.tls.server_name to one")
     return check
+
+
+def not_valid_now(leaf) -> str | None:  # type: ignore[no-untyped-def]
+    """Why the certificate ``leaf`` (a ``cryptography`` x509 certificate) is not valid at this moment, naming its
+    validity window and the time now (UTC); None while it is valid."""
+    now = time.time()
+    start, end = leaf.not_valid_before_utc, leaf.not_valid_after_utc
+    if start.timestamp() <= now <= end.timestamp():
+        return None
+    at = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(now))
+    what = "it expired" if now > end.timestamp() else "it is not valid yet"
+    return f"{what}: valid {start.isoformat()} to {end.isoformat()}, now {at}"
+
+
+def served_certificate_problem(cert: bytes) -> str | None:
+    """Why a server must not present ``cert`` (PEM; its first certificate, the leaf): not valid now (expired, or
+    not yet valid: a clock or a renewal gone wrong), where every peer's handshake would fail with "certificate has
+    expired" while the server answered nothing else and ``switchyard up`` waited out --ready-timeout. None when it
+    is valid or cannot be parsed (grpc refuses that itself)."""
+    from cryptography import x509
+
+    try:
+        leaf = x509.load_pem_x509_certificate(cert)
+    except ValueError:
+        return None
+    return not_valid_now(leaf)
 
 
 def _der():  # type: ignore[no-untyped-def]
