@@ -463,6 +463,45 @@ async def test_request_trace_shows_its_prefill_and_decode_phases(monkeypatch: py
         provider.shutdown()
 
 
+async def test_a_cancelled_requests_trace_shows_its_queue_wait_prefill_and_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue wait and engine phases of a request were written only with its done chunk: the trace of a task
+    cancelled (or failed) mid-decode, the one an operator opens to see where its time went, had its
+    ``dispatcher.generate`` with nothing under it. A request cancelled after its first tokens shows both phases
+    up to its last token, and its wait."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from switchyard.dispatcher import processor
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(processor, "tracer", provider.get_tracer(processor.__name__))
+    try:
+        async for h in serve(DispatcherService(make_config())):
+            call = h.stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, request_id="cut", max_tokens=4000),
+                                   timeout=30)
+            tokens = 0
+            async for chunk in call:
+                tokens += chunk.HasField("token")
+                if tokens == 3:
+                    call.cancel()
+                    break
+            await wait_until(lambda: any(s.name == "dispatcher.generate" for s in exporter.get_finished_spans()),
+                             "the cancelled request's span ended")
+        spans = {s.name: s for s in exporter.get_finished_spans()}
+        request = spans["dispatcher.generate"]
+        assert request.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+        for name in ("dispatcher.queue_wait", "inference.prefill", "inference.decode"):
+            assert name in spans, f"{name} missing from the cancelled request's trace: {sorted(spans)}"
+            assert spans[name].parent.span_id == request.context.span_id
+        assert spans["inference.prefill"].end_time <= spans["inference.decode"].start_time
+        assert 3 <= spans["inference.decode"].attributes["gen_ai.usage.output_tokens"] < 4000
+    finally:
+        provider.shutdown()
+
+
 def test_preemption_is_an_event_on_the_request_span() -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor

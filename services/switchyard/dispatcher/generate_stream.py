@@ -414,6 +414,8 @@ class GenerateSession:
         if req is not None:
             req.output.listener = None
             self._abort(req)
+            if running.state is not RequestState.DONE:  # a done one's were written with its done chunk
+                self._processor.record_unfinished(req, running.span)
         running.span.end()
 
     def _abort(self, req: Request) -> None:

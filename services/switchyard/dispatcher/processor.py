@@ -496,6 +496,21 @@ class RequestProcessor:
             span.set_attribute("gen_ai.usage.output_tokens", req.completion_tokens())
             span.set_attribute("gen_ai.response.finish_reasons", [req.finish_reason or ""])
 
+    def record_unfinished(self, req: Request, span: trace.Span) -> None:
+        """Close ``req``'s tracing as it ends without its done chunk (cancelled, failed, its stream closed): the
+        spans of what it reached, as :meth:`record_done` writes them: its queue wait (until now where it never
+        left the queue) and the prefill and decode it got through. Only a finished request's were written, so
+        the trace of a cancelled or failed task, the one an operator opens, showed its ``dispatcher.generate``
+        with nothing under it."""
+        if span.is_recording():
+            parent = trace.set_span_in_context(span)
+            now = time.monotonic()
+            wall_arrival_ns = time.time_ns() - int((now - req.arrival) * 1e9)
+            waited = req.queue_wait_s if req.reached_engine else max(req.queue_wait_s, now - req.arrival)
+            self._record_queue_wait(req, wall_arrival_ns, parent, waited)
+            self._record_engine_phases(req, wall_arrival_ns, parent)
+            span.set_attribute("gen_ai.usage.output_tokens", req.completion_tokens())
+
     def _record_engine_phases(self, req: Request, wall_arrival_ns: int, parent: otel_context.Context) -> None:
         """``inference.prefill`` and ``inference.decode`` spans of this request, under its own span.
 
@@ -523,9 +538,11 @@ class RequestProcessor:
             },
         ).end(end_time=wall(req.last_token_at or req.first_token_at))
 
-    def _record_queue_wait(self, req: Request, wall_arrival_ns: int, parent: otel_context.Context) -> None:
-        """A ``dispatcher.queue_wait`` span covering the wait before the engine took the request."""
-        end_ns = wall_arrival_ns + int(req.queue_wait_s * 1e9)
+    def _record_queue_wait(self, req: Request, wall_arrival_ns: int, parent: otel_context.Context,
+                           waited_s: float | None = None) -> None:
+        """A ``dispatcher.queue_wait`` span covering the wait before the engine took the request (``waited_s``,
+        seconds; default its ``queue_wait_s``)."""
+        end_ns = wall_arrival_ns + int((req.queue_wait_s if waited_s is None else waited_s) * 1e9)
         attributes: dict[str, Any] = {"switchyard.batch_size": req.batch_size}
         if req.flush_reason != agent_pb2.FLUSH_REASON_UNSPECIFIED:  # the batch span's word, not the enum's number
             attributes["switchyard.flush_reason"] = FlushReason(req.flush_reason).label
