@@ -586,6 +586,47 @@ async def test_a_request_still_running_when_the_drain_ends_gets_an_error_naming_
         assert cut.value.details().startswith("dispatcher is stopping: "), cut.value.details()
 
 
+async def test_a_request_ended_by_a_server_fault_is_an_error_span_with_the_phases_it_reached(monkeypatch) -> None:
+    """A request of a GenerateStream ended UNAVAILABLE (the drain ran out on it) or failed by its engine: its
+    ``dispatcher.generate`` span, a SERVER span per request that no interceptor ends, read status unset with
+    ``rpc.grpc.status_code`` 14, where the RPC spans' rule (docs: a server span is an error for a server fault)
+    makes it an error, and it had no queue wait, prefill or decode under it. A cancelled one stays unset."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from switchyard.dispatcher import processor
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(processor, "tracer", provider.get_tracer(processor.__name__))
+    try:
+        async with dispatcher(**SLOW) as (service, srv, channel):
+            stream = RawStream(channel)
+            await stream.send(start("cut", max_tokens=500))
+            await stream.send(start("dropped", max_tokens=500))
+            await stream.until(lambda: len(stream.chunks["cut"]) >= 2 and len(stream.chunks["dropped"]) >= 2,
+                               "both stream")
+            await stream.send(cancel=("dropped",))
+            await stream.until(lambda: any(c.HasField("done") for c in stream.chunks["dropped"]), "the cancel")
+            await srv.stop(0.3)
+            await asyncio.wait_for(stream.reader, HANG_BOUND_S)
+        spans = exporter.get_finished_spans()
+        requests = sorted((s for s in spans if s.name == "dispatcher.generate"), key=lambda s: s.start_time)
+        cut, dropped = requests  # started in this order
+        assert cut.attributes["rpc.grpc.status_code"] == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert cut.status.status_code is StatusCode.ERROR, cut.status
+        assert dropped.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+        assert dropped.status.status_code is StatusCode.UNSET, dropped.status
+        for request in (cut, dropped):
+            under = {s.name for s in spans if s.parent is not None and s.parent.span_id == request.context.span_id}
+            assert {"dispatcher.queue_wait", "inference.prefill", "inference.decode"} <= under, under
+    finally:
+        provider.shutdown()
+
+
 async def test_a_stream_opened_after_the_drain_began_ends_too() -> None:
     async with dispatcher(**SLOW) as (service, srv, channel):
         await service.begin_drain()  # SIGTERM: the server is not stopped yet, a stream may still arrive

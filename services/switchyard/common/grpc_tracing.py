@@ -62,7 +62,10 @@ def _names(method: str) -> tuple[str, dict[str, Any]]:
     return f"{service}/{name}", {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
 
 
-def _record(span: trace.Span, code: grpc.StatusCode, details: str | None, *, client: bool) -> None:
+def record_status(span: trace.Span, code: grpc.StatusCode, details: str | None, *, client: bool) -> None:
+    """``code`` on an RPC's span (``rpc.grpc.status_code``), and status ERROR for every non-OK code on a client
+    span, for a server-fault code only on a server span; also what the dispatcher writes on each request's
+    ``dispatcher.generate`` span (a SERVER span per request of a GenerateStream, which no interceptor ends)."""
     span.set_attribute(RPC_GRPC_STATUS_CODE, code.value[0])
     if code != grpc.StatusCode.OK and (client or code in SERVER_FAULT_CODES):
         span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details or ''}"))
@@ -105,7 +108,7 @@ class _ServerRpc:
             self.span.record_exception(exc)
         else:
             code, details = context.code() or grpc.StatusCode.OK, context.details()
-        _record(self.span, code, details if isinstance(details, str) else None, client=False)
+        record_status(self.span, code, details if isinstance(details, str) else None, client=False)
         self.span.end()
 
 
@@ -189,7 +192,7 @@ class _ClientSpans:
         try:
             call = await continuation(details, request)
         except grpc.aio.AioRpcError as exc:
-            _record(span, exc.code(), exc.details(), client=True)
+            record_status(span, exc.code(), exc.details(), client=True)
             span.end()
             raise
         except BaseException as exc:
@@ -221,7 +224,7 @@ def _finish_later(span: trace.Span, call: grpc.aio.Call) -> None:
             code, details = await call.code(), await call.details()
         except asyncio.CancelledError:
             code, details = grpc.StatusCode.CANCELLED, "cancelled"
-        _record(span, code, details, client=True)
+        record_status(span, code, details, client=True)
         span.end()
 
     try:

@@ -70,6 +70,7 @@ from opentelemetry import propagate, trace
 from switchyard.api import agent_pb2
 from switchyard.common.coalescing import Wakeup
 from switchyard.common.errors import SwitchyardError
+from switchyard.common.grpc_tracing import record_status
 from switchyard.common.generate_protocol import (
     RequestState,
     StreamedRequest,
@@ -87,7 +88,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_CANCELLED_CODE = grpc.StatusCode.CANCELLED.value[0]
 
 HOLD_SLACK_S = 0.001
 """Held tokens due within this many seconds leave with the message going now, rather than wake the stream again."""
@@ -202,7 +202,7 @@ class GenerateSession:
                 except SwitchyardError as exc:  # it ran (or waited): what it used goes with the error
                     chunks.append(agent_pb2.StreamedChunk(request_id=request_id,
                                                           error=encode_error(exc, consumed(req))))
-                    running.span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
+                    record_status(running.span, exc.code, str(exc), client=False)
                     running.end(RequestState.FAILED)
                     break
                 if chunk is None:  # nothing for the caller (a prefill_only request's token)
@@ -317,13 +317,13 @@ class GenerateSession:
                 # a second start under a running id: the caller cannot tell the two apart, so the one error chunk
                 # the id gets ends both (the first is aborted, and what it used goes with the error; else it went
                 # on generating for nobody)
-                existing.span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
+                record_status(existing.span, exc.code, str(exc), client=False)
                 self._release(existing)
                 if existing.req is not None:
                     used = consumed(existing.req)
             # its last chunk, also when it was cancelled meanwhile (the error answers the cancel: nothing ran)
             if running.end(RequestState.FAILED) or running.state is RequestState.CANCELLED:
-                span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
+                record_status(span, exc.code, str(exc), client=False)
                 span.end()
                 self._send_now(agent_pb2.StreamedChunk(request_id=request_id, error=encode_error(exc, used)))
             return
@@ -368,7 +368,7 @@ class GenerateSession:
         (:meth:`start`)."""
         running = self._requests.get(request_id)
         if running is not None and running.end(RequestState.CANCELLED):
-            running.span.set_attribute("rpc.grpc.status_code", _CANCELLED_CODE)
+            record_status(running.span, grpc.StatusCode.CANCELLED, None, client=False)
             self._release(running)
             if running.req is not None:
                 self._answer_cancel(running, running.req)
@@ -381,7 +381,7 @@ class GenerateSession:
         for running in list(self._requests.values()):
             if not running.end(RequestState.FAILED):
                 continue
-            running.span.set_attribute("rpc.grpc.status_code", error.code.value[0])
+            record_status(running.span, error.code, str(error), client=False)
             self._release(running)
             used = None
             if running.req is not None:
