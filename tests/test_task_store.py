@@ -611,3 +611,34 @@ async def test_a_record_the_store_lost_is_written_again_by_its_holder_and_anothe
     assert (await a.get("theirs-1")).owner == b.owner
     await b.close()
     await a.close()
+
+
+async def test_the_store_up_gauge_follows_a_redis_that_stops_and_comes_back():
+    """With the task store's Redis down every SubmitTask, GetTaskStatus and CancelTask answered UNAVAILABLE while
+    nothing the orchestrator exported said so (its readiness stays SERVING: RunTask needs no store, and a shared
+    store's outage is every replica's): ``switchyard_task_store_up`` reads 0 from the first failed operation until
+    one works again."""
+    from redis_fixtures import RedisOutage, start_redis
+
+    from switchyard.common.config import DramTierConfig
+    from switchyard.orchestrator.taskstore.base import TaskStoreUnavailable
+
+    def up() -> float | None:
+        return REGISTRY.get_sample_value("switchyard_task_store_up")
+
+    server = start_redis()
+    outage = RedisOutage(server)
+    try:
+        store = RedisTaskStore(TaskStoreConfig(), DramTierConfig(embedded=False, host=server.host, port=server.port))
+        await store.open()
+        assert up() == 1.0
+        outage.begin()
+        with pytest.raises(TaskStoreUnavailable):
+            await store.get("any")
+        assert up() == 0.0
+        outage.end()
+        assert await store.get("any") is None
+        assert up() == 1.0
+        await store.close()
+    finally:
+        server.stop()

@@ -279,6 +279,23 @@ def other_alerts() -> list[dict[str, Any]]:
             },
         },
         {
+            "alert": "SwitchyardTaskStoreDown",
+            "expr": "max by (namespace, instance) (switchyard_task_store_up) == 0",
+            "for": "1m",
+            "labels": {"severity": "page"},
+            "annotations": {
+                "summary": "The task store of orchestrator {{ $labels.instance }} has not answered for a minute",
+                "description": (
+                    "switchyard_task_store_up has read 0 for a minute: SubmitTask, GetTaskStatus and CancelTask "
+                    "answer UNAVAILABLE (HTTP 503) naming the store, while RunTask runs on and readiness stays "
+                    "SERVING (a shared Redis's outage is every replica's, so no replica is taken out for it). "
+                    "Tasks already accepted run on and are recorded once it answers. Check the Redis of "
+                    "memory_policy.toml [dram] (orchestrator.task_store.backend redis), or the disk of the "
+                    "SQLite file."
+                ),
+            },
+        },
+        {
             "alert": "SwitchyardDispatcherNoReadyReplica",
             "expr": (
                 'count by (namespace) (switchyard_service_info{service=~"orchestrator|retrieval"})\n'

@@ -37,10 +37,10 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 import grpc
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import TaskStoreConfig
@@ -71,6 +71,12 @@ STORE_DURATION = Histogram(
     "Time of one task-store operation, by operation (request_cancel: a cancel asked of another orchestrator; "
     "take_cancels: an orchestrator's poll for the cancels asked of it, every cancel_poll_s).", ["operation"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+STORE_UP = Gauge(
+    "switchyard_task_store_up",
+    "1 while the task store answers, 0 from an operation it failed (Redis down, the SQLite file unwritable) until "
+    "one works again: SubmitTask, GetTaskStatus and CancelTask answer UNAVAILABLE meanwhile (RunTask needs no "
+    "store). Read at least every cancel_poll_s.",
 )
 TASKS_ORPHANED = Counter(
     "switchyard_tasks_orphaned_total",
@@ -312,6 +318,7 @@ class TaskStore(ABC):
         """Open the store, take a lease, fail the orphans left by dead orchestrators, start maintenance."""
         await self._open()
         await self._renew(self._new_lease())
+        STORE_UP.set(1)
         await self.sweep()
         self._maintenance = asyncio.create_task(self._maintain(), name="task-store-maintenance")
 
@@ -326,6 +333,18 @@ class TaskStore(ABC):
         with contextlib.suppress(TaskStoreUnavailable):
             await self._release()
         await self._close()
+
+    @contextlib.contextmanager
+    def _timed(self, operation: str) -> Iterator[None]:
+        """One operation of :data:`STORE_OPS`: its time (``switchyard_task_store_duration_seconds``), and whether
+        the store answered it (``switchyard_task_store_up``)."""
+        with STORE_DURATION.labels(operation).time():
+            try:
+                yield
+            except TaskStoreUnavailable:
+                STORE_UP.set(0)
+                raise
+        STORE_UP.set(1)
 
     def _new_lease(self) -> Lease:
         return Lease(time.time() + self.config.lease_s, self.host, os.getpid())
@@ -348,8 +367,10 @@ class TaskStore(ABC):
                     last_purge = now
                     await self._purge(time.time())
             except TaskStoreUnavailable as exc:
+                STORE_UP.set(0)
                 outage.failed(exc, interval)
             else:
+                STORE_UP.set(1)
                 outage.worked()
 
     async def _adopt(self) -> None:
@@ -374,7 +395,7 @@ class TaskStore(ABC):
             (record, created): ``created`` is False when ``task_id`` was already taken (compare
             ``record.fingerprint`` with ``fp`` to tell a resubmission from a conflict).
         """
-        with STORE_DURATION.labels("create").time():
+        with self._timed("create"):
             return await self._create(TaskRecord(task_id, fp, agent_pb2.QUEUED, self.owner, trace_id=trace_id,
                                                  agent_id=agent_id, tenant_id=tenant_id, spec=spec))
 
@@ -385,7 +406,7 @@ class TaskStore(ABC):
         empty ``agent_id`` names no agent: None; an empty ``tenant_id`` is :data:`DEFAULT_TENANT`."""
         if not agent_id:
             return None
-        with STORE_DURATION.labels("get").time():
+        with self._timed("get"):
             record = await self._latest_of_agent(agent_id, tenant_id or DEFAULT_TENANT)
         if record is not None and not record.finished and record.owner != self.owner:
             if await self._fail_if_orphan(record):
@@ -394,7 +415,7 @@ class TaskStore(ABC):
 
     async def get(self, task_id: str) -> TaskRecord | None:
         """The record of ``task_id`` (None when unknown or past retention); an orphan is failed first."""
-        with STORE_DURATION.labels("get").time():
+        with self._timed("get"):
             record = await self._get(task_id)
         if record is not None and not record.finished and record.owner != self.owner:
             if await self._fail_if_orphan(record):
@@ -409,7 +430,7 @@ class TaskStore(ABC):
         under ``task_id`` at all (a Redis restarted without persistence, a flushed database), it is written again
         from ``recorded``, RUNNING, and the task runs (:meth:`_write_again`): read as adopted by another, the task
         was dropped unrun, and GetTaskStatus answered NOT_FOUND "never submitted"."""
-        with STORE_DURATION.labels("update").time():
+        with self._timed("update"):
             if await self._update(task_id, self.owner, agent_pb2.RUNNING):
                 return True
             return await self._write_again(recorded, agent_pb2.RUNNING)
@@ -441,14 +462,14 @@ class TaskStore(ABC):
         """Give up a QUEUED task of this orchestrator's unstarted (a graceful stop): its owner becomes
         :data:`RELEASED` and any live orchestrator may adopt it at once. False when it was not this one's or not
         QUEUED."""
-        with STORE_DURATION.labels("update").time():
+        with self._timed("update"):
             return await self._reassign(task_id, self.owner, RELEASED)
 
     async def claim(self, record: TaskRecord) -> bool:
         """Take ``record``'s task for this orchestrator if its owner is still ``record.owner`` and it is still
         QUEUED (a compare-and-set: of orchestrators claiming one task at once, one gets it). The caller checked
         that it is adoptable (:meth:`adoptable_now`)."""
-        with STORE_DURATION.labels("update").time():
+        with self._timed("update"):
             taken = await self._reassign(record.task_id, record.owner, self.owner)
         if taken:
             record.owner = self.owner
@@ -465,7 +486,7 @@ class TaskStore(ABC):
         earliest submitted first; not yet claimed (:meth:`claim` each)."""
         if limit <= 0:
             return []
-        with STORE_DURATION.labels("get").time():
+        with self._timed("get"):
             queued = await self._queued_of_others()
         dead: dict[str, bool] = {RELEASED: True}
         found = []
@@ -489,24 +510,24 @@ class TaskStore(ABC):
         ``recorded``: as :meth:`mark_running`'s, written again with the outcome where the store lost the record
         (the outcome had been dropped, and the task answered NOT_FOUND)."""
         fields: dict[str, object] = {"result": result, "error": error, "timings": timings, "finished_at": time.time()}
-        with STORE_DURATION.labels("update").time():
+        with self._timed("update"):
             if await self._update(task_id, self.owner, state, **fields):
                 return True
             return await self._write_again(recorded, state, **fields)
 
     async def delete(self, task_id: str) -> None:
-        with STORE_DURATION.labels("delete").time():
+        with self._timed("delete"):
             await self._delete(task_id, self.owner)
 
     async def request_cancel(self, record: TaskRecord) -> None:
         """Ask ``record.owner``, another orchestrator, to cancel ``record``'s task: it takes the request within
         ``cancel_poll_s`` (:meth:`take_cancels`) and records the task's outcome, which :meth:`get` then reads."""
-        with STORE_DURATION.labels("request_cancel").time():
+        with self._timed("request_cancel"):
             await self._request_cancel(record.task_id, record.owner)
 
     async def take_cancels(self) -> list[str]:
         """The task ids other orchestrators asked this one to cancel since the last call, each once."""
-        with STORE_DURATION.labels("take_cancels").time():  # apart from "get": a poll, nearly always of none
+        with self._timed("take_cancels"):  # apart from "get": a poll, nearly always of none
             return await self._take_cancels()
 
     async def sweep(self, limit: int = 1000) -> int:
