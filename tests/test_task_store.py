@@ -642,3 +642,54 @@ async def test_the_store_up_gauge_follows_a_redis_that_stops_and_comes_back():
         await store.close()
     finally:
         server.stop()
+
+
+async def test_after_a_store_outage_longer_than_the_lease_no_replica_takes_a_live_one_for_dead(tmp_path):
+    """Two orchestrators on a persistent Redis that stops for longer than lease_s: neither renews its lease meanwhile.
+    The first to read the other's running task after Redis's return (a GetTaskStatus, a sweep) found its lease run
+    out and failed it as an orphan ("stopped while the task was RUNNING") though its orchestrator was alive and
+    about to renew. Within lease_s of the store's return no owner is judged dead by its lease."""
+    import asyncio
+
+    from redis_fixtures import free_port
+
+    from switchyard.common.config import DramTierConfig
+    from switchyard.common.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis("127.0.0.1", free_port(), data_dir=tmp_path / "redis", appendfsync="always").start()
+    try:
+        dram = DramTierConfig(embedded=False, host=server.host, port=server.port)
+        config = TaskStoreConfig(lease_s=0.6, cancel_poll_s=0.1)
+        a, b = RedisTaskStore(config, dram), RedisTaskStore(config, dram)
+        await a.open()
+        await b.open()
+        await a.create("t-alive", "fp", "")
+        assert await a.mark_running("t-alive")
+        a._maintenance.cancel()  # a renews again once b has read (the order the race took)
+        server.stop()
+        await asyncio.sleep(1.0)  # past lease_s; b's maintenance fails its tries meanwhile
+        server.start()
+        from switchyard.orchestrator.taskstore.base import TaskStoreUnavailable
+
+        async def answered(make):  # each client's pooled connection was cut by the restart: its first try fails
+            for _ in range(100):
+                try:
+                    return await make()
+                except TaskStoreUnavailable:
+                    await asyncio.sleep(0.01)
+            raise AssertionError("the restarted Redis never answered")
+
+        record = await answered(lambda: b.get("t-alive"))  # b reads first after the return
+        assert record.state == agent_pb2.RUNNING, record.error
+        await answered(lambda: a._renew(a._new_lease()))  # a renews, as its maintenance does within lease_s / 3
+        a._maintenance = asyncio.create_task(a._maintain())  # and goes on renewing
+        await asyncio.sleep(0.7)  # past lease_s since the return
+        assert (await b.get("t-alive")).state == agent_pb2.RUNNING
+        a._maintenance.cancel()
+        a._maintenance = None
+        await a._release()  # a stops without finishing it: now it is an orphan
+        assert (await b.get("t-alive")).state == agent_pb2.FAILED
+        await b.close()
+        await a.close()
+    finally:
+        server.stop()

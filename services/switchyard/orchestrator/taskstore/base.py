@@ -240,6 +240,11 @@ class TaskStore(ABC):
         not in it: thousands of claims must not hold up the lease's renewal (a lease run out meanwhile lets the
         others adopt this one's tasks). Its errors are logged."""
         self._adopting: asyncio.Task[None] | None = None
+        self._store_failing = False
+        self._store_back_at: float | None = None
+        """When the store answered again after an operation of this process failed (monotonic seconds); None
+        while it never failed. For ``lease_s`` from then no owner is judged dead by its lease (:meth:`_owner_dead`):
+        every lease ran out with the store, and the live owners renew theirs within ``lease_s / 3``."""
         self._lost_warned_at: float | None = None
         """When a lost record was last logged at WARNING (:meth:`_write_again`): at most one a minute."""
 
@@ -342,9 +347,19 @@ class TaskStore(ABC):
             try:
                 yield
             except TaskStoreUnavailable:
-                STORE_UP.set(0)
+                self._store_failed()
                 raise
+        self._store_answered()
+
+    def _store_failed(self) -> None:
+        STORE_UP.set(0)
+        self._store_failing = True
+
+    def _store_answered(self) -> None:
         STORE_UP.set(1)
+        if self._store_failing:
+            self._store_failing = False
+            self._store_back_at = time.monotonic()
 
     def _new_lease(self) -> Lease:
         return Lease(time.time() + self.config.lease_s, self.host, os.getpid())
@@ -367,10 +382,10 @@ class TaskStore(ABC):
                     last_purge = now
                     await self._purge(time.time())
             except TaskStoreUnavailable as exc:
-                STORE_UP.set(0)
+                self._store_failed()
                 outage.failed(exc, interval)
             else:
-                STORE_UP.set(1)
+                self._store_answered()
                 outage.worked()
 
     async def _adopt(self) -> None:
@@ -538,10 +553,17 @@ class TaskStore(ABC):
         return failed
 
     async def _owner_dead(self, owner: str) -> bool:
+        """Whether ``owner`` stopped: its process is gone (on this host and PID namespace), or its lease ran out
+        (or is gone). Not by its lease within ``lease_s`` of the store coming back from an outage this process saw
+        (:attr:`_store_back_at`): every lease ran out during it, and a replica that swept or read a task first
+        after the store's return had failed the running tasks of live replicas as orphans and adopted their
+        queued ones."""
         lease = await self._lease(owner)
-        if lease is None or lease.expires_at < time.time():
+        if lease is not None and lease.host == self.host and lease.pid != os.getpid() and not pid_alive(lease.pid):
             return True
-        return lease.host == self.host and lease.pid != os.getpid() and not pid_alive(lease.pid)
+        if self._store_back_at is not None and time.monotonic() - self._store_back_at < self.config.lease_s:
+            return False
+        return lease is None or lease.expires_at < time.time()
 
     async def _fail_if_orphan(self, record: TaskRecord) -> bool:
         """Fail ``record`` if it is an orphan: RUNNING, or QUEUED with no request kept (a record written before
