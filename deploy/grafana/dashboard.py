@@ -221,9 +221,11 @@ def rows() -> list[tuple[str, list]]:
                  (f"sum by (instance) (switchyard_parked_kv_bytes{{{SEL}}})", "parked agents {{instance}}")]),
         _series("Parked agents", "react_loop agents waiting on a tool with their prefix state kept warm.", "short",
                 [(f"sum by (instance) (switchyard_parked_agents{{{SEL}}})", "{{instance}}")]),
-        _series("DRAM tier (Redis)", "1 while the DRAM tier's Redis answers each orchestrator (agent memory, the "
-                "redis task store); outages and operations that went on without the tier, per second.", "short",
+        _series("DRAM tier (Redis)", "1 while the DRAM tier's Redis answers each orchestrator (agent memory), and "
+                "while its task store answers (the redis task store, or the SQLite file: SubmitTask, GetTaskStatus "
+                "and CancelTask need it); outages and operations that went on without the tier, per second.", "short",
                 [(f"switchyard_dram_up{{{SEL}}}", "up {{instance}}"),
+                 (f"switchyard_task_store_up{{{SEL}}}", "task store up {{instance}}"),
                  (f"sum by (instance) (rate(switchyard_dram_outages_total{{{SEL}}}[{RATE}]))", "outages/s {{instance}}"),
                  (f"sum by (instance) (rate(switchyard_dram_degraded_operations_total{{{SEL}}}[{RATE}]))",
                   "degraded ops/s {{instance}}")]),
