@@ -248,6 +248,25 @@ async def test_the_callers_deadline_bounds_the_upstream_call(clean_proxy_env):
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and "the caller's deadline (0.2s left)" in str(err)
 
 
+@pytest.mark.parametrize("budget", ["callers", "total"])
+async def test_no_fallback_request_is_sent_once_the_calls_deadline_has_passed(clean_proxy_env, budget):
+    """The primary timed out at the call's deadline (the caller's, or model_gateway.total_timeout_s) and the
+    fallback model was asked anyway: its request reached the server for a call no one waited for, the error said
+    the fallback 'did not complete within the caller's deadline (0.3s left)' having had none of it, and a task's
+    error named the fallback model as the one it waited on ('(model gpt-4o-mini) for 0.00144 s')."""
+    request = ChatRequest(messages=[{"role": "user", "content": "hi"}],
+                          timeout_s=0.3 if budget == "callers" else None)
+    with start_sim(faults={"*": Fault(slow_ms=3000)}) as server:
+        cfg = gateway_config(server.base_url, total_timeout_s=60 if budget == "callers" else 0.3,
+                             fallback_model="gpt-4o-mini")
+        err = await stream_error(cfg, request)
+        await asyncio.sleep(0.2)  # a request sent at the deadline has reached the server by now
+        sent = [body["model"] for body in server.state.requests]
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED, err
+    assert str(err).endswith("fallback model 'gpt-4o-mini' not tried: the call's deadline had passed"), err
+    assert sent == ["claude-sonnet-4-5"]
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["before-its-first-token", "mid-stream"])
 async def test_a_call_whose_callers_deadline_ran_out_counts_as_cancelled_not_as_the_models_failure(
         clean_proxy_env, streamed):

@@ -145,7 +145,8 @@ async def with_fallback(
     """Try each model of ``chain`` (with retries) until one succeeds; returns (result, model).
 
     ``deadline`` is an event-loop time bounding all attempts; when it passes,
-    ``on_deadline(model)`` is the error.
+    ``on_deadline(model)`` is the error, and no later model of the chain is tried (none is sent a request
+    for a call whose deadline has passed).
 
     Raises:
         GatewayError: the primary's error (with the fallback's appended) when
@@ -171,6 +172,12 @@ async def with_fallback(
             primary_error.with_note(f"fallback model {model!r} failed too: {error}")
         if not error.fallback_ok or position == len(chain) - 1:
             raise primary_error
+        if asyncio.get_running_loop().time() >= deadline:
+            # Nothing is left of the call for the next model: tried anyway, its request went out before the
+            # timeout's cancel came (at the first suspension), reached the server for a call no one waited for
+            # any more, and the call's error and its caller's message named that model, waited on for no time.
+            raise primary_error.with_note(f"fallback model {chain[position + 1]!r} not tried: the call's deadline "
+                                          "had passed")
         log.warning("model %r failed before its first token (%s); trying fallback model %r", model, error,
                     chain[position + 1])
     raise ValueError("chain: expected at least one model")
