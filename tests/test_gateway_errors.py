@@ -444,6 +444,54 @@ async def raw_upstream(head: bytes, body: bytes = b""):
         yield base
 
 
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("keepalive", [b"", b": ping\n\n", b"\n", b"id: 7\n\n"],
+                         ids=["silent", "comment", "blank-line", "id-line"])
+@pytest.mark.parametrize("budget", ["callers", "total"])
+async def test_a_stream_that_stalls_after_its_first_token_ends_at_the_calls_deadline(clean_proxy_env, budget,
+                                                                                    keepalive, transport):
+    """The deadline was checked only as an event came: a server that stalled after its first token held the call
+    for model_gateway.read_timeout_s past a caller's deadline (then UNAVAILABLE 'raise read_timeout_s'), and one
+    that kept the stalled stream alive with what carries no event (a ': ping' comment, as sse-starlette's servers
+    send, a blank line, an 'id:' line) past model_gateway.total_timeout_s too, for as long as it kept on."""
+    closed = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        first = SSE_ANSWER.split(b"\n\n")[0] + b"\n\n"
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                     + b"%x\r\n%s\r\n" % (len(first), first))
+        try:
+            for _ in range(100):  # 10 s of the stall at most: the call ends long before, or the test fails
+                await writer.drain()
+                if keepalive:
+                    writer.write(b"%x\r\n%s\r\n" % (len(keepalive), keepalive))
+                await asyncio.sleep(0.1)
+                if reader.at_eof():
+                    break
+        except ConnectionError:
+            pass
+        finally:
+            closed.set()
+            writer.close()
+
+    async with tcp_upstream(answer) as base:
+        cfg = gateway_config(base, fallback_model="", max_retries=0, http_transport=transport, read_timeout_s=5,
+                             total_timeout_s=60 if budget == "callers" else 0.5)
+        request = ask(timeout_s=0.5 if budget == "callers" else None)
+        async with GatewayClient(cfg) as client:
+            items = []
+            with pytest.raises(GatewayError) as caught:
+                async for item in client.stream_chat(request):
+                    items.append(item)
+            await asyncio.wait_for(closed.wait(), 10)  # the connection was let go with the call
+    err = caught.value
+    assert [type(item) for item in items] == [Token]
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED, err
+    assert ("the caller's deadline (0.5s left)" if budget == "callers" else "total_timeout_s=0.5s") in str(err), err
+    assert "after 1 streamed item" in str(err), err
+
+
 CLOUDFLARE_524 = (
     b'<!DOCTYPE html>\n<!--[if lt IE 7]> <html class="no-js ie6 oldie" lang="en-US"> <![endif]-->\n'
     b'<!--[if gt IE 8]><!--> <html class="no-js" lang="en-US"> <!--<![endif]-->\n<head>\n'

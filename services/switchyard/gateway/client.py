@@ -199,6 +199,55 @@ def _count_left(call: "_Call") -> None:
     UPSTREAM_STREAM_ENDINGS.labels("timeout" if timed_out else "cancelled").inc()
 
 
+class _ReadDeadline:
+    """A call's deadline over the reads of its stream after the first item (:meth:`next`).
+
+    The deadline was checked only as an event came: a server that stalled after its first token went on for
+    ``read_timeout_s`` (60 s) past a caller's 1 s deadline, and one that kept the stalled stream alive with
+    comments (``: ping``, as sse-starlette's servers send every 15 s), blank lines or ``id:`` lines, which carry
+    no event, went on for ever, past ``model_gateway.total_timeout_s`` too. A timer per read (``asyncio.timeout``)
+    costs 5 us a chunk, twice a chunk's JSON; this is one timer per call, which cancels the task reading when the
+    deadline passes while it waits on the body (never while the caller holds an item: the next read refuses)."""
+
+    __slots__ = ("_deadline", "_reader", "_fired", "_timer")
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
+        self._reader: asyncio.Task[Any] | None = None
+        self._fired = False
+        self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        if self._reader is not None:
+            self._fired = True
+            self._reader.cancel()
+
+    async def next(self, events: AsyncIterator[ServerSentEvent]) -> ServerSentEvent | None:
+        """The next event of ``events``; None at its end.
+
+        Raises:
+            TimeoutError: the deadline passed before the read or while it waited.
+            httpx.HTTPError: the connection failed while reading.
+        """
+        if asyncio.get_running_loop().time() >= self._deadline:
+            raise TimeoutError
+        task = asyncio.current_task()
+        assert task is not None, "a stream is read in a task"
+        cancelling = task.cancelling()
+        self._reader = task
+        try:
+            return await anext(events, None)
+        except asyncio.CancelledError:
+            if self._fired and task.uncancel() <= cancelling:  # this deadline's cancel, not the caller's
+                raise TimeoutError from None
+            raise
+        finally:
+            self._reader = None
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+
 @dataclass
 class _Call:
     """Per-call state shared by the attempts: key, bearer token, deadline, span."""
@@ -560,20 +609,26 @@ class GatewayClient:
                         self.pool.on_tokens(opened.endpoint, tokens)
                     yield event
                 if not opened.ended:
-                    async for sse in opened.events:
-                        self._check_deadline(call, model)
-                        for event in opened.decoder.feed(sse.data, sse.event):
-                            sent += not isinstance(event, Finished)
-                            thought += isinstance(event, Reasoning)
-                            finished = finished or isinstance(event, Finished)
-                            if tokens := opened.decoder.answer_tokens([event]):
-                                self.pool.on_tokens(opened.endpoint, tokens)
-                            yield event
-                        if opened.decoder.done:
-                            # [DONE] ends the stream: nothing after it is read, nor the body's end waited for (a
-                            # server or proxy holding the response open after it turned a whole answer into a
-                            # read timeout after its tokens)
-                            break
+                    reads = _ReadDeadline(call.deadline)
+                    try:
+                        while (sse := await reads.next(opened.events)) is not None:
+                            self._check_deadline(call, model)
+                            for event in opened.decoder.feed(sse.data, sse.event):
+                                sent += not isinstance(event, Finished)
+                                thought += isinstance(event, Reasoning)
+                                finished = finished or isinstance(event, Finished)
+                                if tokens := opened.decoder.answer_tokens([event]):
+                                    self.pool.on_tokens(opened.endpoint, tokens)
+                                yield event
+                            if opened.decoder.done:
+                                # [DONE] ends the stream: nothing after it is read, nor the body's end waited for
+                                # (a server or proxy holding the response open after it turned a whole answer into
+                                # a read timeout after its tokens)
+                                break
+                    except TimeoutError:
+                        raise self._deadline_error(model, call) from None
+                    finally:
+                        reads.close()
                     tail = _end(opened.decoder)  # counts the ending, or the cut it raises (an error it raises: below)
                     counted = True
                     for event in tail:
