@@ -430,6 +430,36 @@ async def test_one_slow_metrics_read_leaves_a_replica_up_and_its_calls_where_the
             p.kill()
 
 
+async def test_a_server_trickling_its_answer_is_read_as_one_that_did_not_answer_in_time(clean_proxy_env):
+    """httpx's timeout bounds each read, not the answer: a server sending its /metrics or model list a byte at a
+    time held the read for as long as it went on (here 20 s, against scrape_timeout_s 0.5), so a hung endpoint
+    behind something that keeps its answer alive was never marked down, and its circuit's health check (one at a
+    time) stopped."""
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(100):
+                writer.write(b"1\r\n#\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.2)
+        writer.close()
+
+    server = await asyncio.start_server(trickle, "127.0.0.1", 0)
+    try:
+        with replicas(1) as [other]:
+            hung_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+            cfg = pool_config([hung_url, other.base_url], scrape_interval_s=60.0, scrape_timeout_s=0.5)
+            async with GatewayClient(cfg) as client:
+                await client.pool.start()
+                hung = client.pool.endpoints[endpoint_name(hung_url)]
+                reads = [await asyncio.wait_for(client.pool.scrape(hung), 15) for _ in range(2)]
+                assert reads == [False, False] and not hung.up
+                assert not await asyncio.wait_for(client.pool.answers(hung), 15)
+    finally:
+        server.close()
+
+
 async def test_a_dns_name_is_an_endpoint_per_address_and_down_ones_are_skipped(clean_proxy_env):
     with replicas(1) as (server,):
         url = server.base_url.replace("127.0.0.1", "localhost")

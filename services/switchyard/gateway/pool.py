@@ -370,10 +370,27 @@ class EndpointPool:
         a server that is up): the health check its circuits read while open
         (:attr:`switchyard.gateway.cooldown.Cooldowns.health_check`)."""
         try:
-            response = await endpoint.http.get("models", timeout=self.config.pool.scrape_timeout_s)
+            response = await self._get_within(endpoint, "models")
         except httpx.HTTPError:
             return False
         return response.status_code < 500
+
+    async def _get_within(self, endpoint: Endpoint, url: str) -> httpx.Response:
+        """``GET url`` of ``endpoint``, its whole answer within ``pool.scrape_timeout_s``. httpx's timeout bounds
+        each read, not the answer: a server that sent its body a byte at a time (a slow-loris, a hung server
+        behind a proxy that keeps the response alive) held a /metrics read or a health check for as long as it
+        went on, so a hung endpoint was never marked down, and its circuit's health checks (one at a time) stopped.
+
+        Raises:
+            httpx.HTTPError: the transport failed; httpx.ReadTimeout when the whole answer did not come in time.
+        """
+        timeout_s = self.config.pool.scrape_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await endpoint.http.get(url, timeout=timeout_s)
+        except TimeoutError:
+            raise httpx.ReadTimeout(f"no whole answer within {timeout_s:g} s (model_gateway.pool.scrape_timeout_s)"
+                                    ) from None
 
     async def _queue_loop(self) -> None:
         """One endpoint: read its server's queue every ``scrape_interval_s`` for its limit, until a read that the
@@ -391,7 +408,7 @@ class EndpointPool:
         """Read ``endpoint``'s ``/metrics`` once: its load, and whether it is up. True when the server answered."""
         url = server_root(endpoint.url) + self.config.pool.metrics_path
         try:
-            response = await endpoint.http.get(url, timeout=self.config.pool.scrape_timeout_s)
+            response = await self._get_within(endpoint, url)
         except httpx.TransportError as exc:
             endpoint.failed_reads += 1
             if (isinstance(exc, httpx.ConnectError)  # nothing listens: down now
