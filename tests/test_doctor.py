@@ -466,6 +466,61 @@ def test_a_server_that_takes_the_connection_and_never_answers_is_named_hung_not_
     assert "hung or overloaded" in out and "SWITCHYARD_UPSTREAM_BASE_URL (it overrides model_gateway.base_url)" in out
 
 
+def test_a_server_trickling_its_model_list_is_named_hung_within_the_timeout(clean_proxy_env, monkeypatch, capsys):
+    """httpx's timeout bounds each read: a server sending GET /models's answer a byte at a time held doctor (and the
+    dispatcher's first read of the list, every request waiting its bound on it) for as long as it went on."""
+    import asyncio
+
+    from switchyard.common.config import UpstreamConfig
+    from switchyard.gateway.client import GatewayClient
+    from switchyard.gateway.errors import GatewayError
+
+    stop = threading.Event()
+
+    def trickle(conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+            with contextlib.suppress(OSError):
+                for _ in range(50):  # 5 s of it at most: past the 0.5 s bound, the test fails, not hangs
+                    if stop.wait(0.1):
+                        break
+                    conn.sendall(b"1\r\n \r\n")
+                conn.sendall(b"0\r\n\r\n")
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+
+        def accept() -> None:
+            with contextlib.suppress(OSError):
+                while not stop.is_set():
+                    threading.Thread(target=trickle, args=(listener.accept()[0],), daemon=True).start()
+
+        threading.Thread(target=accept, daemon=True).start()
+        try:
+            monkeypatch.setenv(KEY_ENV, TEST_KEY)
+            monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")
+            monkeypatch.setenv("SWITCHYARD_UPSTREAM_BASE_URL", url)
+            code = doctor.main(["--config-dir", CONFIG, "--timeout", "0.5", "--no-probe"])
+            out = capsys.readouterr().out
+            assert code == 1
+            assert "took the connection but sent no answer within 0.5 s (ReadTimeout)" in out, out
+
+            async def list_models() -> GatewayError:
+                config = UpstreamConfig(base_url=url, api_key_env=KEY_ENV, read_timeout_s=0.5)
+                async with GatewayClient(config) as client:
+                    with pytest.raises(GatewayError) as caught:
+                        await asyncio.wait_for(client.list_models(), 30)
+                return caught.value
+
+            error = asyncio.run(list_models())
+            assert "ReadTimeout" in str(error), error
+        finally:
+            stop.set()
+
+
 def test_a_server_that_lists_its_models_but_never_streams_is_named_within_the_timeout(clean_proxy_env, monkeypatch,
                                                                                        capsys):
     """The probe waited the gateway's own read timeout (60 s) whatever --timeout said, and named no hang."""

@@ -387,10 +387,12 @@ class GatewayClient:
         return chain
 
     async def list_models(self, endpoint: Endpoint | None = None) -> list[str]:
-        """Model ids from ``GET /v1/models`` of ``endpoint`` (default: the first endpoint up).
+        """Model ids from ``GET /v1/models`` of ``endpoint`` (default: the first endpoint up), its whole answer
+        within ``read_timeout_s``.
 
         Raises:
-            GatewayError: transport failure, non-2xx answer, or a body without ``data[].id``.
+            GatewayError: transport failure (a ReadTimeout past ``read_timeout_s``), non-2xx answer, or a body without
+                ``data[].id``.
         """
         key = load_api_key(self.config.api_key_env)
         token = require_usable(key, required=self.config.api_key_required)
@@ -402,7 +404,13 @@ class GatewayClient:
             endpoint = next((e for e in known if e.up), known[0])
         url = f"{endpoint.url}/models"
         try:
-            response = await endpoint.http.get("models", headers=self._headers(token, stream=False))
+            # the whole answer within read_timeout_s: httpx's timeout bounds each read, so a server sending its list
+            # a byte at a time held the engine's first read for ever (every request waiting its bound on it)
+            async with asyncio.timeout(self.config.read_timeout_s):
+                response = await endpoint.http.get("models", headers=self._headers(token, stream=False))
+        except TimeoutError:
+            raise self._transport_error(httpx.ReadTimeout(f"no whole answer within {self.config.read_timeout_s:g} s"),
+                                        url, key) from None
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, url, key) from None
         if response.status_code >= 300:  # a redirect too: not followed (error_for_status names where it points)

@@ -150,7 +150,11 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
     via = f" via {route.variable}={route.address}" if route else ""
     try:
         async with httpx.AsyncClient(timeout=timeout_s, **client_settings(url)) as http:
-            response = await http.get(url, headers=headers)
+            try:  # the whole answer: httpx's timeout bounds each read, and a server sending a byte at a time hung doctor
+                async with asyncio.timeout(timeout_s):
+                    response = await http.get(url, headers=headers)
+            except TimeoutError:
+                raise httpx.ReadTimeout(f"no whole answer within {timeout_s:g} s") from None
     except httpx.HTTPError as exc:
         where = f"{url_key}{' in queue.json' if url_key.startswith('model_gateway.') else ''}"
         fix = f"start the model server (e.g. `switchyard serve sim-openai --port <port>`) or correct {where}"
