@@ -447,8 +447,8 @@ async def raw_upstream(head: bytes, body: bytes = b""):
 @pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
 @pytest.mark.parametrize("keepalive", [b"", b": ping\n\n", b"\n", b"id: 7\n\n"],
                          ids=["silent", "comment", "blank-line", "id-line"])
-@pytest.mark.parametrize("budget", ["callers", "total"])
-async def test_a_stream_that_stalls_after_its_first_token_ends_at_the_calls_deadline(clean_proxy_env, budget,
+@pytest.mark.parametrize(("budget", "hold"), [("callers", False), ("total", False), ("callers", True)])
+async def test_a_stream_that_stalls_after_its_first_token_ends_at_the_calls_deadline(clean_proxy_env, budget, hold,
                                                                                     keepalive, transport):
     """The deadline was checked only as an event came: a server that stalled after its first token held the call
     for model_gateway.read_timeout_s past a caller's deadline (then UNAVAILABLE 'raise read_timeout_s'), and one
@@ -460,7 +460,7 @@ async def test_a_stream_that_stalls_after_its_first_token_ends_at_the_calls_dead
         await read_request(reader)
         first = SSE_ANSWER.split(b"\n\n")[0] + b"\n\n"
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                     + b"%x\r\n%s\r\n" % (len(first), first))
+                     + b"%x\r\n%s\r\n" % (len(first), first) * 2)  # two tokens, then the stall
         try:
             for _ in range(100):  # 10 s of the stall at most: the call ends long before, or the test fails
                 await writer.drain()
@@ -484,12 +484,14 @@ async def test_a_stream_that_stalls_after_its_first_token_ends_at_the_calls_dead
             with pytest.raises(GatewayError) as caught:
                 async for item in client.stream_chat(request):
                     items.append(item)
+                    if hold and len(items) == 2:  # held past the deadline: the next read ends the call
+                        await asyncio.sleep(1.0)
             await asyncio.wait_for(closed.wait(), 10)  # the connection was let go with the call
     err = caught.value
-    assert [type(item) for item in items] == [Token]
+    assert [type(item) for item in items] == [Token, Token]
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED, err
     assert ("the caller's deadline (0.5s left)" if budget == "callers" else "total_timeout_s=0.5s") in str(err), err
-    assert "after 1 streamed item" in str(err), err
+    assert "after 2 streamed item" in str(err), err
 
 
 CLOUDFLARE_524 = (

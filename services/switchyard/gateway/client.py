@@ -200,49 +200,52 @@ def _count_left(call: "_Call") -> None:
 
 
 class _ReadDeadline:
-    """A call's deadline over the reads of its stream after the first item (:meth:`next`).
+    """A call's deadline over the reads of its stream after the first item.
 
     The deadline was checked only as an event came: a server that stalled after its first token went on for
     ``read_timeout_s`` (60 s) past a caller's 1 s deadline, and one that kept the stalled stream alive with
     comments (``: ping``, as sse-starlette's servers send every 15 s), blank lines or ``id:`` lines, which carry
     no event, went on for ever, past ``model_gateway.total_timeout_s`` too. A timer per read (``asyncio.timeout``)
-    costs 5 us a chunk, twice a chunk's JSON; this is one timer per call, which cancels the task reading when the
-    deadline passes while it waits on the body (never while the caller holds an item: the next read refuses)."""
+    costs 5 us a chunk, twice a chunk's JSON; this is one timer per call. When the deadline passes while the
+    stream's task waits on the body, the timer cancels that task (:meth:`timed_out` then tells that cancel from
+    the caller's); while the caller holds an item (:meth:`hold`, the stream suspended at its ``yield``), nothing
+    of the caller's is cancelled, and the next read refuses (:meth:`read`). The stream is read in the task that
+    made this."""
 
-    __slots__ = ("_deadline", "_reader", "_fired", "_timer")
+    __slots__ = ("_task", "_cancelling", "_holding", "_late", "_fired", "_timer")
 
     def __init__(self, deadline: float) -> None:
-        self._deadline = deadline
-        self._reader: asyncio.Task[Any] | None = None
-        self._fired = False
+        task = asyncio.current_task()
+        assert task is not None, "a stream is read in a task"
+        self._task, self._cancelling = task, task.cancelling()
+        self._holding = self._late = self._fired = False
         self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
 
     def _expire(self) -> None:
-        if self._reader is not None:
+        if self._holding:
+            self._late = True
+        else:
             self._fired = True
-            self._reader.cancel()
+            self._task.cancel()
 
-    async def next(self, events: AsyncIterator[ServerSentEvent]) -> ServerSentEvent | None:
-        """The next event of ``events``; None at its end.
+    def hold(self) -> None:
+        """An item came: the caller holds it until the next :meth:`read`."""
+        self._holding = True
+
+    def read(self) -> None:
+        """The caller asks for the next item.
 
         Raises:
-            TimeoutError: the deadline passed before the read or while it waited.
-            httpx.HTTPError: the connection failed while reading.
+            TimeoutError: the deadline passed while the caller held the last one.
         """
-        if asyncio.get_running_loop().time() >= self._deadline:
+        self._holding = False
+        if self._late:
             raise TimeoutError
-        task = asyncio.current_task()
-        assert task is not None, "a stream is read in a task"
-        cancelling = task.cancelling()
-        self._reader = task
-        try:
-            return await anext(events, None)
-        except asyncio.CancelledError:
-            if self._fired and task.uncancel() <= cancelling:  # this deadline's cancel, not the caller's
-                raise TimeoutError from None
-            raise
-        finally:
-            self._reader = None
+
+    def timed_out(self) -> bool:
+        """Whether a CancelledError the read raised is this deadline's (then taken back: the task is no longer
+        cancelled), not the caller's."""
+        return self._fired and self._task.uncancel() <= self._cancelling
 
     def close(self) -> None:
         self._timer.cancel()
@@ -619,7 +622,8 @@ class GatewayClient:
                 if not opened.ended:
                     reads = _ReadDeadline(call.deadline)
                     try:
-                        while (sse := await reads.next(opened.events)) is not None:
+                        async for sse in opened.events:
+                            reads.hold()
                             self._check_deadline(call, model)
                             for event in opened.decoder.feed(sse.data, sse.event):
                                 sent += not isinstance(event, Finished)
@@ -633,8 +637,13 @@ class GatewayClient:
                                 # (a server or proxy holding the response open after it turned a whole answer into
                                 # a read timeout after its tokens)
                                 break
+                            reads.read()
                     except TimeoutError:
                         raise self._deadline_error(model, call) from None
+                    except asyncio.CancelledError:
+                        if reads.timed_out():
+                            raise self._deadline_error(model, call) from None
+                        raise
                     finally:
                         reads.close()
                     tail = _end(opened.decoder)  # counts the ending, or the cut it raises (an error it raises: below)
