@@ -150,7 +150,7 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
     via = f" via {route.variable}={route.address}" if route else ""
     try:
         async with httpx.AsyncClient(timeout=timeout_s, **client_settings(url)) as http:
-            try:  # the whole answer: httpx's timeout bounds each read, and a server sending a byte at a time hung doctor
+            try:  # the whole answer: httpx's timeout bounds each read; a server sending a byte at a time hung it
                 async with asyncio.timeout(timeout_s):
                     response = await http.get(url, headers=headers)
             except TimeoutError:

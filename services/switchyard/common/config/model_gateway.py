@@ -223,7 +223,8 @@ class UpstreamPoolConfig(_Strict):
         description="Seconds between reads of each endpoint's /metrics (its queue depth and KV use; a connection "
         "refused there marks the endpoint down until a read succeeds).",
     )
-    scrape_timeout_s: float = Field(1.0, gt=0, le=60, description="Longest wait for one /metrics read or health check, its whole answer, seconds.")
+    scrape_timeout_s: float = Field(1.0, gt=0, le=60, description="Longest wait for one /metrics read or health "
+                                    "check, its whole answer, seconds.")
     down_after_failed_reads: int = Field(
         2, ge=1, le=100,
         description="Consecutive /metrics reads that time out or are cut that mark an endpoint down (no call "
