@@ -496,3 +496,38 @@ async def test_the_time_left_of_an_open_circuit_never_reads_zero() -> None:
     clock.now = cooldowns._circuits[PRIMARY].open_until - 0.02
     with pytest.raises(ModelCoolingDown, match="skipped for under 0.1 s more"):
         await cooldowns.call(PRIMARY, ok)
+
+
+@pytest.mark.parametrize("asked", [1e20, 10 * 365 * 86400.0, 25.0, 4.0])
+async def test_a_wait_asked_for_is_held_locally_at_most_the_cooldown_then_asked_again(asked) -> None:
+    """A 429's Retry-After refuses the model's calls locally, at most for ``cooldown.cooldown_s`` (10 s here): a
+    finite nonsense (1e20 s, an HTTP date ten years ahead) had locked the model out for as long. A wait within it
+    is held whole; after the hold one call reaches the server again."""
+    from switchyard.gateway.errors import UpstreamAskedToWait
+    clock = Clock()
+    cooldowns = breaker(clock)
+    sent = 0
+
+    async def rate_limited() -> str:
+        nonlocal sent
+        sent += 1
+        error = UpstreamRateLimited("429 (test)")
+        error.retry_after_s = asked
+        raise error
+
+    async def served() -> str:
+        nonlocal sent
+        sent += 1
+        return "ok"
+
+    with pytest.raises(UpstreamRateLimited):
+        await cooldowns.call(PRIMARY, rate_limited)
+    held = min(asked, 10.0)
+    clock.now += held - 0.5
+    with pytest.raises(UpstreamAskedToWait) as refused:
+        await cooldowns.call(PRIMARY, served)
+    assert sent == 1 and refused.value.retry_after_s == pytest.approx(asked - held + 0.5)  # the whole wait's rest
+    if asked > 10.0:
+        assert "model_gateway.cooldown.cooldown_s = 10 s" in str(refused.value), str(refused.value)
+    clock.now += 1.0
+    assert await cooldowns.call(PRIMARY, served) == "ok" and sent == 2

@@ -36,7 +36,10 @@ authentication, and a dead local proxy (not the model's doing) never open a circ
 time has passed every call to it is refused locally with
 :class:`~switchyard.gateway.errors.UpstreamAskedToWait` (the upstream's own
 status, retryable after the time left, fallback allowed), so no request reaches
-the model earlier than it allowed. :func:`switchyard.gateway.resilience.with_retries`
+the model earlier than it allowed. The local refusal lasts at most
+``cooldown.cooldown_s`` (the longest a failing model is skipped): a longer wait
+(an hourly quota's, or a nonsense 1e20 s) is asked again by one call after it,
+whose answer renews it. :func:`switchyard.gateway.resilience.with_retries`
 then waits the time left when it is within ``retry_after_max_s`` and the call's
 deadline, or gives up at once (to the fallback model) when it is not; a wait is
 never shortened.
@@ -112,7 +115,11 @@ class _Circuit:
     open_until: float = 0.0
     probes_succeeded: int = 0
     not_before: float = 0.0
-    """The upstream asked for no request before this time (Retry-After)."""
+    """No request is sent before this time: the wait the upstream asked for (Retry-After), held at most
+    ``cooldown.cooldown_s``."""
+    asked_until: float = 0.0
+    """The end of the wait the upstream asked for, whole: what a refused call is told is left (a retry is not
+    waited out for a wait longer than ``retry_after_max_s`` because the hold is shorter)."""
     asked_s: float = 0.0
     """The wait it asked for, seconds, for the message."""
     asked_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
@@ -373,10 +380,14 @@ class Cooldowns:
         self._checks[model] = asyncio.get_running_loop().create_task(run(), name=f"health-check-{model}")
 
     def _asked_to_wait(self, model: str, circuit: _Circuit, now: float) -> UpstreamAskedToWait:
-        left = circuit.not_before - now
+        left = circuit.asked_until - now
+        held = self.config.cooldown.cooldown_s
+        asked = (f"{circuit.asked_s:.1f} s" if circuit.asked_s <= held else
+                 f"{circuit.asked_s:.4g} s (held here for model_gateway.cooldown.cooldown_s = {held:g} s, then asked "
+                 "again)")
         error = UpstreamAskedToWait(
-            f"upstream model {model!r} asked to wait {circuit.asked_s:.1f} s before another request "
-            f"(Retry-After on its {circuit.asked_status}); {left:.1f} s of it left, so the call was not sent"
+            f"upstream model {model!r} asked to wait {asked} before another request "
+            f"(Retry-After on its {circuit.asked_status}); {left:.4g} s of it left, so the call was not sent"
         )
         error.code = circuit.asked_code
         error.retry_after_s = left
@@ -384,9 +395,16 @@ class Cooldowns:
 
     def _record_wait(self, model: str, circuit: _Circuit, exc: GatewayError, now: float) -> None:
         asked = exc.retry_after_s
-        if asked is None or asked <= 0 or isinstance(exc, UpstreamAskedToWait) or now + asked <= circuit.not_before:
+        if asked is None or asked <= 0 or isinstance(exc, UpstreamAskedToWait):
             return
-        circuit.not_before, circuit.asked_s, circuit.asked_code = now + asked, asked, exc.code
+        # Held locally for at most cooldown.cooldown_s, the longest a model is skipped for its failures: then one
+        # call asks the server again (which answers the wait left, if any). A Retry-After of 1e20 s, or an HTTP date
+        # years ahead, had locked the model out for as long, past any restart of the server that sent it.
+        held = min(asked, self.config.cooldown.cooldown_s)
+        if now + held <= circuit.not_before:
+            return
+        circuit.not_before, circuit.asked_until = now + held, now + asked
+        circuit.asked_s, circuit.asked_code = asked, exc.code
         circuit.asked_status = ("429" if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
                                 else str(exc.overloaded_status or 503))
         log.info("upstream model %r asked to wait %.1f s (Retry-After): no call to it before then", model, asked)
