@@ -114,3 +114,31 @@ async def test_every_wait_is_observed_once_under_how_it_ended_expired_and_cancel
     finally:
         await q.stop()
     assert counts() == {"admitted": 3, "expired": 1, "cancelled": 2}
+
+
+async def test_an_item_whose_wait_ended_leaves_its_place_to_the_next():
+    """An item that timed out, or whose caller left, stayed in the queue until a worker came to skip it: it
+    held one of ``capacity`` places (a queue of such items refused every new one 'full' while none waited) and
+    counted in the depth. It leaves as its wait ends."""
+    q = WorkQueue("retrieval-left", QueueConfig(capacity=1, workers=1, timeout_ms=50))
+    release = asyncio.Event()
+    q.start()
+    try:
+        blocker = asyncio.create_task(q.run(release.wait))
+        await asyncio.sleep(0.01)  # the worker holds the blocker
+        with pytest.raises(QueueTimeoutError):
+            await q.run(release.wait)
+        assert q.depth == 0 and q.place() == 0
+        left = asyncio.create_task(q.run(release.wait))  # its place is free: taken, not refused 'full'
+        await asyncio.sleep(0.01)
+        assert q.depth == 1
+        left.cancel()  # its caller goes while it waits
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        assert q.depth == 0
+        ticket = q.submit(lambda: asyncio.sleep(0, result="ran"))  # accepted: nothing waits
+        release.set()
+        await blocker
+        assert (await ticket.result())[0] == "ran"
+    finally:
+        await q.stop()

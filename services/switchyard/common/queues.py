@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Generic, TypeVar
 
@@ -45,7 +46,12 @@ class WorkQueue:
     def __init__(self, name: str, config: QueueConfig) -> None:
         self.name = name
         self.config = config
-        self._items: asyncio.Queue[_Job] = asyncio.Queue(maxsize=config.capacity)
+        self._items: deque[_Job] = deque()
+        """The items waiting, oldest first: at most ``capacity``. One whose wait ends before a worker takes it (its
+        timeout, its caller gone) leaves at once (:meth:`_leave`): it held a place, refusing new items 'full' while
+        none of them waited, until a worker came to skip it."""
+        self._arrived = asyncio.Event()
+        """Set when an item joins; a worker finding none waiting clears it and waits."""
         self._workers: list[asyncio.Task[None]] = []
         self._busy = 0
         # this queue's series, looked up once: an item's trip through the queue sets or observes five of them
@@ -62,7 +68,7 @@ class WorkQueue:
     @property
     def depth(self) -> int:
         """Items waiting (not yet taken by a worker)."""
-        return self._items.qsize()
+        return len(self._items)
 
     @property
     def busy(self) -> int:
@@ -82,8 +88,9 @@ class WorkQueue:
             worker.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
         self._workers = []
-        while not self._items.empty():
-            job = self._items.get_nowait()
+        while self._items:
+            job = self._items.popleft()
+            self._depth_gauge.set(len(self._items))
             self._waited(job, "cancelled")
             for fut in (job.started, job.done):
                 if not fut.done():
@@ -97,13 +104,13 @@ class WorkQueue:
         """
         loop = asyncio.get_running_loop()
         job: _Job[T] = _Job(fn, time.monotonic(), loop.create_future(), loop.create_future())
-        position = self._items.qsize()
-        try:
-            self._items.put_nowait(job)
-        except asyncio.QueueFull:
+        position = len(self._items)
+        if position >= self.config.capacity:
             self.rejected["full"].inc()
-            raise QueueFullError(self.name, self.config.capacity) from None
-        self._depth_gauge.set(self._items.qsize())
+            raise QueueFullError(self.name, self.config.capacity)
+        self._items.append(job)
+        self._arrived.set()
+        self._depth_gauge.set(len(self._items))
         return Ticket(self, job, position)
 
     def place(self) -> int:
@@ -113,7 +120,7 @@ class WorkQueue:
         Raises:
             QueueFullError: ``capacity`` items already wait (counted as a ``full`` rejection).
         """
-        waiting = self._items.qsize()
+        waiting = len(self._items)
         if waiting >= self.config.capacity:
             self.rejected["full"].inc()
             raise QueueFullError(self.name, self.config.capacity)
@@ -131,8 +138,11 @@ class WorkQueue:
 
     async def _work(self) -> None:
         while True:
-            job = await self._items.get()
-            self._depth_gauge.set(self._items.qsize())
+            while not self._items:
+                self._arrived.clear()
+                await self._arrived.wait()
+            job = self._items.popleft()
+            self._depth_gauge.set(len(self._items))
             if job.abandoned or job.started.done():
                 continue
             wait = self._waited(job, "admitted")
@@ -160,6 +170,15 @@ class WorkQueue:
                 self._busy -= 1
                 self._busy_gauge.set(self._busy)
 
+    def _leave(self, job: _Job) -> None:
+        """``job``'s wait ended before a worker took it (its timeout, its caller gone): out of the queue now, its
+        place free for the next item."""
+        job.abandoned = True
+        try:
+            self._items.remove(job)
+        except ValueError:  # a worker took it, or stop() emptied the queue
+            return
+        self._depth_gauge.set(len(self._items))
 
     def _waited(self, job: _Job, outcome: str) -> float:
         """``job``'s wait ended with ``outcome`` (one of ``QUEUE_WAIT_OUTCOMES``): observed in
@@ -190,11 +209,11 @@ class Ticket(Generic[T]):
         try:
             wait = await asyncio.wait_for(asyncio.shield(job.started), timeout)
         except asyncio.TimeoutError:
-            job.abandoned = True
+            queue._leave(job)
             queue.rejected["timeout"].inc()
             raise QueueTimeoutError(queue.name, queue._waited(job, "expired"), queue.config.timeout_ms) from None
         except asyncio.CancelledError:
-            job.abandoned = True
+            queue._leave(job)
             queue._waited(job, "cancelled")  # its caller left while it waited (or the queue stopped: observed there)
             raise
         try:
