@@ -792,3 +792,22 @@ async def test_a_task_whose_time_limit_passes_while_it_waits_again_is_observed_e
         assert (await final_state(stub, "holder")).state == agent_pb2.SUCCEEDED
     assert grown(before) == {"admitted": 2, "expired": 1, "cancelled": 0}
     assert backlog_waits("sum")["expired"] - sums["expired"] >= 0.5  # its second wait, past the limit
+
+
+async def test_a_task_cancelled_while_it_waits_again_reads_its_time_since_its_first_start(tmp_path):
+    """A task whose run was refused for want of room waits again in the backlog; cancelled there, its status read
+    total_s 0 (below the stages its run took) and 'before it started', of a task that had run."""
+    overrides = {"orchestrator.max_running_submitted_tasks": 4}
+    async with backlog_stack(tmp_path / "tasks.sqlite3", FullQueueDownstream(capacity=1),
+                             **overrides) as (stub, _, down):
+        await submit(stub, "holder", agent_pb2.NORMAL)  # holds the inference queue's one place
+        await until(lambda: down.in_flight == 1)
+        await submit(stub, "again", agent_pb2.NORMAL)
+        await until(lambda: any(r.startswith("again:") for r in down.refused) and gauge("queued") == 1)
+        cancelled = await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="again"))
+        assert cancelled.state == agent_pb2.FAILED and "while QUEUED" in cancelled.error, cancelled
+        assert "before it started" not in cancelled.error and "waiting to start again" in cancelled.error
+        assert cancelled.timings.total_s >= sum(cancelled.timings.stage_s.values()) > 0, cancelled.timings
+        assert (await final_state(stub, "again")).timings.total_s == cancelled.timings.total_s  # as recorded
+        down.gate.set()
+        assert (await final_state(stub, "holder")).state == agent_pb2.SUCCEEDED

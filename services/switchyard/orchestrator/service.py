@@ -409,6 +409,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 continue
             # it ran, and was refused for want of room: it may have generated tokens, and never runs twice
             _count_unrun(entry.spec, grpc.StatusCode.CANCELLED)
+            entry.timings.total_s = time.monotonic() - entry.first_started_at  # from its first start, to its end
             await self._record_finish(entry, agent_pb2.FAILED, b"", "CANCELLED: the orchestrator stopped while the "
                                       "task waited to start again; resubmit it under a new task_id")
         if started := self._submitted.started():
@@ -1120,13 +1121,18 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         entry = self._submitted.remove_queued(task_id)
         if entry is not None:
             entry.cancelled = True
-            entry.timings.total_s = 0.0
             _count_unrun(entry.spec, grpc.StatusCode.CANCELLED)
+            error = "CANCELLED: cancelled by CancelTask while QUEUED, before it started"
+            if entry.first_started_at is None:
+                entry.timings.total_s = 0.0
+            else:  # it ran, and waits again (its run refused for want of room): its time from its first start
+                entry.timings.total_s = time.monotonic() - entry.first_started_at
+                error = ("CANCELLED: cancelled by CancelTask while QUEUED, waiting to start again (its run was "
+                         "refused for want of room)")
             # Shielded: a caller that left (its deadline) while the store wrote cut the write from the forget after
             # it, and the entry held a place of orchestrator.max_unfinished_submitted_tasks for good.
             await asyncio.shield(settle(asyncio.create_task(self._record_finish(
-                entry, agent_pb2.FAILED, b"", "CANCELLED: cancelled by CancelTask while QUEUED, before it started"),
-                name=f"record-cancel-{task_id}"), expected=lambda e: False))
+                entry, agent_pb2.FAILED, b"", error), name=f"record-cancel-{task_id}"), expected=lambda e: False))
             return entry.to_status()
         entry = self._submitted.get(task_id)
         if entry is not None and entry.final is None and entry.runner is not None:
