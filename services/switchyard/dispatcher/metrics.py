@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Iterable
 from prometheus_client import Counter, Gauge, Histogram
 
 from switchyard.common.metrics import (
+    BATCH_SIZE_BUCKETS,
+    INTER_TOKEN_BUCKETS,
     OTHER,
     QUEUE_CAPACITY,
     QUEUE_DEPTH,
@@ -48,13 +50,11 @@ if TYPE_CHECKING:
     from switchyard.dispatcher.scheduler.base import SchedulerStats
     from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 
-# Batch sizes: powers of two up to the largest flush.max_batch_size worth plotting.
-_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_BATCH_BUCKETS = BATCH_SIZE_BUCKETS
 # TTFT: ~5 ms (sim engine, idle) to ~60 s (long prompts on a loaded remote model); the SLO's
 # threshold (switchyard.json slo.ttft.threshold_s) must be one of these bounds.
 _TTFT_BUCKETS = TTFT_BUCKETS
-# Inter-token latency: sub-millisecond (batched decode) to seconds (stalled stream).
-_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+_ITL_BUCKETS = INTER_TOKEN_BUCKETS
 
 BATCH_SIZE = Histogram(
     "switchyard_batch_size", "Requests per batch flushed from the double buffer.", buckets=_BATCH_BUCKETS

@@ -41,7 +41,6 @@ from switchyard.retrieval.index import Passage
 
 QUERIES_FILE = Path(__file__).resolve().parent / "data" / "pydoc_queries.jsonl"
 """The labelled query set shipped with the package."""
-CUTOFFS = (1, 5, 10)
 
 
 def normalize(text: str) -> str:

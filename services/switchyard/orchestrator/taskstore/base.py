@@ -62,7 +62,6 @@ OWNER_NAMED = re.compile(r"\borchestrator (?P<host>[^\s:'\"]+):(?P<pid>\d+):(?P<
 ("held by orchestrator ID", "orchestrator ID stopped while ..."): the edge shows its callers the tag alone
 (``switchyard.orchestrator.addresses.EdgeText``), the host and pid being internal."""
 
-UNFINISHED = (agent_pb2.QUEUED, agent_pb2.RUNNING)
 FINISHED = (agent_pb2.SUCCEEDED, agent_pb2.FAILED)
 
 STORE_OPS = ("create", "get", "update", "delete", "request_cancel", "take_cancels")
