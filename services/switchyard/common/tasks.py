@@ -7,7 +7,7 @@ DEADLINE_EXCEEDED (both fire at the same instant), a stream's reader whose
 stream was dropped, a re-resolution replaced by the next one. :func:`settle`
 reads the outcome when the task ends, so the exception is either expected (the
 caller who would have read it is gone: logged at DEBUG) or logged once, by
-name, at ``level``.
+name, at ERROR.
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 
-def settle(
-    task: asyncio.Future[Any], level: int = logging.DEBUG, expected: Callable[[BaseException], bool] | None = None
-) -> asyncio.Future[Any]:
-    """Retrieve ``task``'s outcome when it ends (at once when it has ended); returns ``task``.
+def settle(task: asyncio.Future[Any], expected: Callable[[BaseException], bool] | None = None) -> asyncio.Future[Any]:
+    """Retrieve ``task``'s outcome when it ends (at once when it has ended); returns ``task``. An exception it
+    ended with is logged at DEBUG (the outcome had no reader left).
 
     Args:
-        level: log level of an exception it ended with (DEBUG: the outcome had no reader left).
-        expected: exceptions for which this returns False are logged at ERROR with their traceback
-            whatever ``level`` says (a bug, not an outcome); None: all are expected.
+        expected: exceptions for which this returns False are logged at ERROR with their traceback instead (a
+            bug, not an outcome); None: all are expected.
     """
 
     def retrieve(done: asyncio.Future[Any]) -> None:
@@ -40,7 +38,7 @@ def settle(
         if expected is not None and not expected(exc):
             log.error("%s failed: %s", name, exc, exc_info=exc)
         else:
-            log.log(level, "%s ended with %s: %s (nobody was waiting for it)", name, type(exc).__name__, exc)
+            log.debug("%s ended with %s: %s (nobody was waiting for it)", name, type(exc).__name__, exc)
 
     task.add_done_callback(retrieve)
     return task
