@@ -908,7 +908,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             log.debug("task %s: %s; it waits again in the backlog, first of its class, and starts when another "
                       "submitted task ends", spec.task_id, error)
             return
-        self._settle(entry, state, result, error)  # from here CancelTask no longer cancels it
+        self._keep_outcome(entry, state, result, error)  # from here CancelTask no longer cancels it
         await self._record_finish(entry, state, result, error)
 
     def _waits_again(self, entry: Submitted, exc: BaseException) -> bool:
@@ -985,7 +985,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             return True
 
     @staticmethod
-    def _settle(live: Submitted, state: int, result: bytes, error: str) -> None:
+    def _keep_outcome(live: Submitted, state: int, result: bytes, error: str) -> None:
         """Set ``live.final``, the outcome this process answers until the store has it (as the store will)."""
         live.state, live.final = state, task_status(live.spec.task_id, state, error, live.tenant_id, live.timings,
                                                     result)
@@ -995,7 +995,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         it from this process."""
         task_id = live.spec.task_id
         if live.final is None:
-            self._settle(live, state, result, error)
+            self._keep_outcome(live, state, result, error)
         try:
             async for attempt in AsyncRetrying(
                 stop=stop_after_attempt(5), wait=wait_exponential(multiplier=RECORD_TRY_WAIT_S, max=2.0),
