@@ -12,10 +12,15 @@ STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 
 TASKS = Counter("switchyard_tasks_total", "Tasks finished, by task type and gRPC status code.", ["task_type", "code"])
 TASK_DURATION = Histogram(
-    "switchyard_task_duration_seconds", "RunTask accepted -> final event.", ["task_type"], buckets=TASK_BUCKETS
+    "switchyard_task_duration_seconds",
+    "Tasks that succeeded, from their start (a RunTask: accepted; a submitted task: its first start from the "
+    "backlog, its wait there not counted) to their final event (timings.total_s).", ["task_type"],
+    buckets=TASK_BUCKETS,
 )
 TASK_TTFT = Histogram(
-    "switchyard_task_ttft_seconds", "RunTask accepted -> first token sent to the caller.", ["task_type"],
+    "switchyard_task_ttft_seconds",
+    "Tasks that succeeded with a token, from their start (as switchyard_task_duration_seconds) to their first "
+    "token (timings.ttft_s).", ["task_type"],
     buckets=TASK_BUCKETS,
 )
 STAGE_DURATION = Histogram(

@@ -8,7 +8,9 @@
   ``orchestrator.react.max_steps``; see react.py)
 
 ``render_prompt`` renders the prompt with Jinja2's sandbox and counts its
-tokens in one trip to the CPU executor (the task's only one). A task with an
+tokens in one trip to the CPU executor (more where passages are trimmed to the
+context window, :func:`_fit_passages`; rag_answer's early prefill renders its
+prefix in one more, and a react_loop round's long tool results are counted in one). A task with an
 ``agent_id`` (and ``[agent_memory] enabled``) also runs ``recall`` (its agent's
 memory, beside retrieval, before render_prompt) and ``remember`` (its
 question, tool results and answer, last): see agent_memory.py.
