@@ -811,3 +811,40 @@ async def test_a_task_cancelled_while_it_waits_again_reads_its_time_since_its_fi
         assert (await final_state(stub, "again")).timings.total_s == cancelled.timings.total_s  # as recorded
         down.gate.set()
         assert (await final_state(stub, "holder")).state == agent_pb2.SUCCEEDED
+
+
+class StepThenRefused(ToolThenGate):
+    """react_loop's first model step answers a tool call (compute score 0.5, KV 1000 B); the step after the tool's
+    result is refused once, RESOURCE_EXHAUSTED naming the inference queue, then answers (compute score 0.5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: list[str] = []
+
+    async def Generate(self, request, context):  # noqa: N802 - gRPC method name
+        if any(m.role == "tool" for m in request.messages) and not self.refused:
+            self.requests.append(request)
+            self.refused.append(request.request_id)
+            await abort(context, QueueFullError("inference", 1), "dispatcher")
+        if any(m.role == "tool" for m in request.messages):
+            self.requests.append(request)
+            yield agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text="Done.", index=0))
+            yield agent_pb2.GenerateChunk(done=agent_pb2.GenerateDone(
+                usage=agent_pb2.TokenUsage(prompt_tokens=10, completion_tokens=1, total_tokens=11),
+                compute_score_used=0.5, memory_peak_bytes=1000, model="fake"))
+            return
+        async for chunk in super().Generate(request, context):
+            yield chunk
+
+
+async def test_what_a_run_refused_for_want_of_room_consumed_counts_in_the_tasks_outcome(tmp_path):
+    """A submitted task whose run was refused for want of room runs again from its start; what its refused run's
+    model steps consumed was dropped with that run: its outcome counted its last run's steps alone (1.0 of the
+    1.5 the dispatcher computed for it here), and its status read 0 while it waited to start again."""
+    async with backlog_stack(tmp_path / "tasks.sqlite3", StepThenRefused()) as (stub, _, down):
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="again", payload="hello", task_type="react_loop"))
+        done = await final_state(stub, "again")
+        assert done.state == agent_pb2.SUCCEEDED and down.refused, (done, down.refused)
+        assert len(down.requests) == 4  # step 0, its refused step 1; then step 0 and step 1 again
+        assert (done.compute_score_used, done.memory_peak_bytes) == (1.5, 1000), done
+        assert done.result.usage.total_tokens == 3 * 11, done.result.usage

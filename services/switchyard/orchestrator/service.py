@@ -410,8 +410,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             # it ran, and was refused for want of room: it may have generated tokens, and never runs twice
             _count_unrun(entry.spec, grpc.StatusCode.CANCELLED)
             entry.timings.total_s = time.monotonic() - entry.first_started_at  # from its first start, to its end
-            await self._record_finish(entry, agent_pb2.FAILED, b"", "CANCELLED: the orchestrator stopped while the "
-                                      "task waited to start again; resubmit it under a new task_id")
+            consumed = entry.task.consumed().SerializeToString() if entry.task is not None else b""
+            await self._record_finish(entry, agent_pb2.FAILED, consumed, "CANCELLED: the orchestrator stopped while "
+                                      "the task waited to start again; resubmit it under a new task_id")
         if started := self._submitted.started():
             await asyncio.wait({e.runner for e in started if e.runner is not None},
                                timeout=self.config.server.shutdown_grace_s)
@@ -867,6 +868,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             task = self._new_task(spec, lambda event: None, None, started_at=entry.first_started_at)
             task.trace_id = entry.trace_id
             task.timings = entry.timings  # one Timings: its status shows the task's waits and stages as they come
+            if entry.task is not None:  # an earlier run was refused for want of room: what it consumed counts too
+                task.count_earlier_run(entry.task)
             entry.task = task  # this run's wait in the backlog is in its timings already (SubmittedTasks.start_next)
             if not await self._record_running(entry):
                 # another orchestrator adopted it while this one's lease had run out (a stall, a partition from
@@ -891,8 +894,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 _log_failure(spec.task_id, exc)
             # from its first start, over every run (its waits and stages are in already: the task's own)
             entry.timings.total_s = time.monotonic() - entry.first_started_at
-            # what it consumed before it failed (a react_loop cancelled in its third turn used two)
-            state, result = agent_pb2.FAILED, task.consumed().SerializeToString() if task is not None else b""
+            # what it consumed before it failed (a react_loop cancelled in its third turn used two), its earlier
+            # runs' included (``entry.task``: this run's, or the last run's where this one failed before it began)
+            state, result = agent_pb2.FAILED, (entry.task.consumed().SerializeToString() if entry.task is not None
+                                               else b"")
         finally:
             self._submitted.stopped(entry)
             if entry.waits_again:  # back in the backlog at once (no await between): the next task to end starts it
@@ -1129,10 +1134,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 entry.timings.total_s = time.monotonic() - entry.first_started_at
                 error = ("CANCELLED: cancelled by CancelTask while QUEUED, waiting to start again (its run was "
                          "refused for want of room)")
+            consumed = entry.task.consumed().SerializeToString() if entry.task is not None else b""  # its runs'
             # Shielded: a caller that left (its deadline) while the store wrote cut the write from the forget after
             # it, and the entry held a place of orchestrator.max_unfinished_submitted_tasks for good.
             await asyncio.shield(settle(asyncio.create_task(self._record_finish(
-                entry, agent_pb2.FAILED, b"", error), name=f"record-cancel-{task_id}"), expected=lambda e: False))
+                entry, agent_pb2.FAILED, consumed, error), name=f"record-cancel-{task_id}"), expected=lambda e: False))
             return entry.to_status()
         entry = self._submitted.get(task_id)
         if entry is not None and entry.final is None and entry.runner is not None:

@@ -53,8 +53,7 @@ class Submitted:
     """
 
     __slots__ = ("spec", "trace_id", "context", "priority", "submitted_at", "first_started_at", "state", "timings",
-                 "final", "runner", "started", "cancelled", "task", "waits_again", "refused_alone", "deadline_s",
-                 "record")
+                 "final", "runner", "started", "cancelled", "task", "waits_again", "refused_alone", "record")
 
     def __init__(self, spec: TaskSpec, trace_id: str, context: contextvars.Context,
                  record: TaskRecord | None = None) -> None:
@@ -67,9 +66,6 @@ class Submitted:
         """When it entered the backlog last (its submit, or a refusal that sent it back)."""
         self.first_started_at: float | None = None
         """When it first left the backlog: its time limit counts from here, over every start."""
-        self.deadline_s: float | None = None
-        """While it waits again in the backlog (a refused run sent it back): its time limit's end, monotonic
-        seconds (its last run's ``Task.deadline_s``); None before its first start (no limit runs yet)."""
         self.state = agent_pb2.QUEUED
         self.timings = agent_pb2.Timings()
         self.final: agent_pb2.TaskStatus | None = None
@@ -81,7 +77,9 @@ class Submitted:
         self.cancelled = False
         """CancelTask asked for it (the outcome names the caller, not a stopping orchestrator)."""
         self.task: Task | None = None
-        """Its running state once its runner made it: what it has consumed so far is read from it."""
+        """Its running state once its runner made it, kept while it waits to start again (a refused run sent it
+        back): what it has consumed so far is read from it (the next run counts on from it), and its time
+        limit's end (``Task.deadline_s``); None before its first start."""
         self.waits_again = False
         """Its last run was refused for want of room and it goes back to the backlog (set as that run ends)."""
         self.refused_alone = 0
@@ -99,7 +97,7 @@ class Submitted:
         status = agent_pb2.TaskStatus(task_id=self.spec.task_id, state=self.state, timings=self.timings,
                                       tenant_id=self.tenant_id,
                                       queue_position=queue_position if self.state == agent_pb2.QUEUED else 0)
-        if self.task is not None:  # running: what it has consumed so far
+        if self.task is not None:  # started: what its runs have consumed so far
             status.compute_score_used = self.task.compute_score_used
             status.memory_peak_bytes = self.task.memory_peak_bytes
         return status
@@ -169,7 +167,8 @@ class SubmittedTasks:
                     continue
                 del queue[index]
                 entry.state = agent_pb2.RUNNING
-                expired = entry.deadline_s is not None and time.monotonic() >= entry.deadline_s
+                # started again past the time limit of its first start (its last run's deadline)
+                expired = entry.task is not None and time.monotonic() >= entry.task.deadline_s
                 _left_backlog(entry, "expired" if expired else "admitted")  # expired: its run fails at once
                 self.running += 1
                 _QUEUED.dec()
@@ -187,8 +186,7 @@ class SubmittedTasks:
         """Put a started task whose run was refused for want of room (its runner ended, :meth:`stopped` called)
         back first in its class's backlog: it starts again before any task that waits behind it."""
         assert entry.runner is not None and entry.final is None
-        entry.deadline_s = entry.task.deadline_s if entry.task is not None else None
-        entry.runner, entry.started, entry.task = None, False, None
+        entry.runner, entry.started = None, False  # its task kept: what its runs consumed, its deadline
         entry.state = agent_pb2.QUEUED
         entry.submitted_at = time.monotonic()
         self._backlog[entry.priority.value].appendleft(entry.spec.task_id)

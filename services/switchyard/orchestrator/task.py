@@ -304,6 +304,16 @@ class Task:
         self.finish_reason = done.finish_reason
         self.waited_on = done.waited_on
 
+    def count_earlier_run(self, earlier: "Task") -> None:
+        """Count in this task what ``earlier``, a run of the same submitted task refused for want of room before
+        this one started, consumed: its usage and compute score (summed), its KV peak (the largest). Its
+        timings are this task's already (one ``Timings``, :meth:`OrchestratorService._run_submitted`)."""
+        self.usage.prompt_tokens += earlier.usage.prompt_tokens
+        self.usage.completion_tokens += earlier.usage.completion_tokens
+        self.usage.total_tokens += earlier.usage.total_tokens
+        self.compute_score_used += earlier.compute_score_used
+        self.memory_peak_bytes = max(self.memory_peak_bytes, earlier.memory_peak_bytes)
+
     def start_budget(self) -> Budget:
         """The budget of a rag_answer task at its start, before its retrieval (and the prefill-only warm-up
         beside it): :meth:`Program.budget` with ``prefill``, the retrieval and the model step ahead.
