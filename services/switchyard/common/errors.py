@@ -77,15 +77,16 @@ class DispatcherNotServing(SwitchyardError):
 
 
 class TaskDeadlineExceeded(SwitchyardError):
-    """A task ran out of time: its own time limit or its caller's gRPC deadline (DEADLINE_EXCEEDED). ``waited_on``:
+    """A task ran out of time: its own time limit or its caller's gRPC deadline (DEADLINE_EXCEEDED). ``ran_s``: how
+    long it ran, seconds (from its start: ``Task.t0``); ``source``: what set its deadline. ``waited_on``:
     what its model step was waiting on as it was cut short, as the dispatcher said (``GenerateDone.waited_on``:
     "the model server at http://host:port (model m) for 4 s"); "" when not known."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
-    def __init__(self, task_id: str, limit_s: float, source: str, waited_on: str = "") -> None:
+    def __init__(self, task_id: str, ran_s: float, source: str, waited_on: str = "") -> None:
         waiting = f" waiting for {waited_on}" if waited_on else ""
-        super().__init__(f"task {untrusted.shown(task_id)} ran out of time after {limit_s:.3g} s ({source}){waiting}; "
+        super().__init__(f"task {untrusted.shown(task_id)} ran out of time after {ran_s:.3g} s ({source}){waiting}; "
                          "every step it started was cancelled")
         self.task_id = task_id
 
