@@ -848,3 +848,25 @@ async def test_what_a_run_refused_for_want_of_room_consumed_counts_in_the_tasks_
         assert len(down.requests) == 4  # step 0, its refused step 1; then step 0 and step 1 again
         assert (done.compute_score_used, done.memory_peak_bytes) == (1.5, 1000), done
         assert done.result.usage.total_tokens == 3 * 11, done.result.usage
+
+
+async def test_a_submit_refused_by_a_full_backlog_or_a_taken_task_id_records_no_metadata(tmp_path, monkeypatch):
+    """A submit refused after validation (the backlog full, its task_id another request's) is no task either: its
+    span carried the task's metadata, which RunTask records only for a task it takes."""
+    recorded: list[dict[str, str]] = []
+    monkeypatch.setattr(OrchestratorService, "_record_metadata", lambda self, metadata: recorded.append(dict(metadata)))
+    overrides = {"orchestrator.max_unfinished_submitted_tasks": 1}
+    async with backlog_stack(tmp_path / "tasks.sqlite3", **overrides) as (stub, _, down):
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="m1", payload="p", task_type="chat",
+                                                       metadata={"user": "u1"}))
+        assert recorded == [{"user": "u1"}]
+        with pytest.raises(grpc.aio.AioRpcError) as full:
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="p", task_type="chat", metadata={"user": "u2"}))
+        with pytest.raises(grpc.aio.AioRpcError) as taken:
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="m1", payload="other", task_type="chat",
+                                                           metadata={"user": "u3"}))
+        assert (full.value.code(), taken.value.code()) == (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                           grpc.StatusCode.ALREADY_EXISTS)
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="m1", payload="p", task_type="chat",
+                                                       metadata={"user": "u1"}))  # the same task, answered again
+        assert recorded == [{"user": "u1"}, {"user": "u1"}]

@@ -688,7 +688,6 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """
         try:
             spec = await self._new_task_spec(request, context)
-            self._record_metadata(request.metadata)  # a task's, as RunTask records it: not a refused request's
             limit = self.config.orchestrator.max_unfinished_submitted_tasks
             if len(self._submitted) >= limit and not request.task_id:  # a task_id may name a task already recorded:
                 raise self._backlog_full()  # its answer adds nothing to the backlog (a new one is refused below)
@@ -707,6 +706,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         except SwitchyardError as exc:
             await self._abort(context, exc, _caller_ids(request))
         if accepted is not None:
+            self._record_metadata(request.metadata)  # a task's, as RunTask records it: not a refused request's
             return accepted
         owner = record.tenant_id or DEFAULT_TENANT
         if owner != spec.tenant_id:
@@ -723,6 +723,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             await self._abort(context, SwitchyardError(
                 f"task_id: {shown(spec.task_id)} already exists with a different request; resubmit the identical "
                 "request to get that task, or use a new task_id", grpc.StatusCode.ALREADY_EXISTS), _caller_ids(request))
+        self._record_metadata(request.metadata)  # the task it submitted, answered again
         live = self._submitted.get(record.task_id)  # this process's state where it holds the task
         state = live.to_status(0).state if live is not None else record.state
         return agent_pb2.Accepted(task_id=record.task_id, queue_position=self._queue_position(record.task_id),
