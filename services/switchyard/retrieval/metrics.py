@@ -39,7 +39,8 @@ for _result in ("hit", "miss"):
     QUERY_CACHE.labels(_result)
 SEARCH_SECONDS = Histogram(
     "switchyard_retrieval_search_seconds",
-    "Per request: vector search over the index.",
+    "Per request: the search over the index, by vectors (with retrieval.hybrid also the wait for the BM25 search "
+    "begun beside the embedding, and the fusion of the two rankings).",
     buckets=STAGE_BUCKETS,
 )
 REQUESTS = Counter(
