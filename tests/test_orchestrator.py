@@ -1071,3 +1071,28 @@ async def test_a_running_submitted_task_s_status_shows_the_timings_its_task_has_
     assert {"submitted", "orchestration", "retrieval"} <= set(running.timings.queue_wait_s), \
         dict(running.timings.queue_wait_s)
     assert {"retrieve", "render_prompt"} <= set(running.timings.stage_s), dict(running.timings.stage_s)
+
+
+async def test_a_run_tasks_timings_count_from_its_arrival_its_validation_included():
+    """A RunTask's ttft_s and total_s counted from after its validation, which may ask the dispatcher what it
+    serves (DescribeModel: the first task's, one every MODEL_INFO_MAX_AGE_S) and count a long question's tokens:
+    that time was its caller's wait but in neither (the dispatcher counts its own validation in its TTFT)."""
+    class SlowToDescribe(Downstream):
+        async def DescribeModel(self, request, context):  # noqa: N802 - gRPC method name
+            await asyncio.sleep(0.3)
+            return await super().DescribeModel(request, context)
+
+    base = load_config("config", service="orchestrator")
+    down = SlowToDescribe()
+    async with running([down], base.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        with orchestrator_config(addr, addr, base) as cfg:
+            async with running([OrchestratorService(cfg)], cfg.server) as orch:
+                channel = open_channel(f"127.0.0.1:{orch.port}")
+                try:
+                    stub = agent_pb2_grpc.AgentServiceStub(channel)
+                    events = await collect(stub, payload="what is a list?", task_type="chat")
+                finally:
+                    await channel.close()
+    final = events[-1].final
+    assert down.described == 1 and 0.3 <= final.timings.ttft_s <= final.timings.total_s, final.timings

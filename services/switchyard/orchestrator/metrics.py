@@ -13,8 +13,9 @@ STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 TASKS = Counter("switchyard_tasks_total", "Tasks finished, by task type and gRPC status code.", ["task_type", "code"])
 TASK_DURATION = Histogram(
     "switchyard_task_duration_seconds",
-    "Tasks that succeeded, from their start (a RunTask: accepted; a submitted task: its first start from the "
-    "backlog, its wait there not counted) to their final event (timings.total_s).", ["task_type"],
+    "Tasks that succeeded, from their start (a RunTask: its arrival, its validation included; a submitted task: "
+    "its first start from the backlog, its wait there not counted) to their final event (timings.total_s).",
+    ["task_type"],
     buckets=TASK_BUCKETS,
 )
 TASK_TTFT = Histogram(

@@ -457,9 +457,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                   started_at: float | None = None) -> Task:
         """The task's state. Its deadline is its type's time limit from ``started_at`` (monotonic seconds; now
         when None) or the caller's gRPC deadline, whichever comes first (the orchestrator owns a task's
-        lifetime); ``started_at`` is its ``t0`` too, what its timings count from (a submitted task started
-        again after a refusal: ``total_s`` and ``ttft_s`` from its first start, over every run, as its time
-        limit; from the last run's start they read 3 ms for a task that tried for 5 s)."""
+        lifetime); ``started_at`` is its ``t0`` too, what its timings count from: a RunTask's arrival, before
+        its validation (which may ask the dispatcher what it serves, and count a long question's tokens: its
+        caller's wait, counted as the dispatcher counts its own validation in its TTFT); a submitted task's
+        first start (started again after a refusal: ``total_s`` and ``ttft_s`` from its first start, over every
+        run, as its time limit; from the last run's start they read 3 ms for a task that tried for 5 s)."""
         assert self._deps is not None, "start() not called"
         orch = self.config.orchestrator
         now = time.monotonic()
@@ -631,6 +633,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         the task's time limit or a queue's timeout, UNAVAILABLE naming a downstream service that did
         not answer, or the status a downstream service answered, its hop named.
         """
+        arrived = time.monotonic()  # its timings and time limit count from here, its validation included
         try:
             spec = await self._new_task_spec(request, context)
             self._check_ready(spec.workflow)
@@ -638,7 +641,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             await self._abort(context, exc, _caller_ids(request))
         self._record_metadata(request.metadata)
         events = event_stream()
-        task = asyncio.create_task(self._execute(self._new_task(spec, events.put, context)),
+        task = asyncio.create_task(self._execute(self._new_task(spec, events.put, context, started_at=arrived)),
                                    name=f"task-{spec.task_id}")
         task.add_done_callback(lambda _: events.close())
         self._streams.add(task)

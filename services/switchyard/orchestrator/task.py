@@ -101,7 +101,7 @@ class Task:
     """The state of one task while its workflow runs. Events go to ``emit`` in order.
 
     Times are ``time.monotonic()`` seconds; ``t0`` is the task's start, what its timings count from: a RunTask's
-    once it is validated, as it is accepted; a submitted task's first start from the backlog (its wait there is
+    arrival (its validation included); a submitted task's first start from the backlog (its wait there is
     ``timings.queue_wait_s["submitted"]``), over every run of a task started again.
     """
 
