@@ -238,3 +238,20 @@ async def test_queued_tasks_of_an_orchestrator_whose_lease_ran_out_are_adopted_b
         assert starts(down) == {task_id: 1 for task_id in ids}
         assert adopted_total() == adopted_before + len(ids)
         await gone.close()
+
+
+async def test_a_draining_orchestrator_adopts_no_task(tmp_path, request):
+    """A replica draining (SIGTERM) adopted the QUEUED tasks other orchestrators released at its sweeps: it
+    started them beside its drain, where its stop could cut them (a started task fails, never runs twice), or
+    released them again at its stop, a lease later for the replica that then adopts them. It adopts none; a
+    live replica does."""
+    async with shared_store(store_settings("sqlite", tmp_path, request)) as (down, make):
+        a = await make()
+        draining = await make(**{"orchestrator.max_running_submitted_tasks": 8})
+        await draining.service.begin_drain()
+        await submit_and_stop(down, a)
+        await draining.service._adopt_queued()  # its sweep (every lease_s), now
+        assert not any(draining.service._submitted.get(task_id) for task_id in WAITING)
+        live = await make(**{"orchestrator.max_running_submitted_tasks": 8})  # adopts them at its start
+        down.gate.set()
+        await check_ran_once(down, live)

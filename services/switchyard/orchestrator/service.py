@@ -787,13 +787,14 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         a submit is refused by), the earliest submitted first; the rest wait for the next sweep or another
         replica. Each is claimed with a compare-and-set on its owner (:meth:`TaskStore.claim`): of orchestrators
         sweeping at once, one takes it. It joins the backlog last of its class, its wait counted from its submit.
-        Called at start and after each sweep (every ``task_store.lease_s``).
+        Called at start and after each sweep (every ``task_store.lease_s``). A draining orchestrator adopts none:
+        it would start them beside its drain, where its stop may cut them, or release them again.
 
         Raises:
             TaskStoreUnavailable: the store could not be read or written.
         """
         limit = self.config.orchestrator.max_unfinished_submitted_tasks
-        if self._stopping or self._deps is None:
+        if self._stopping or self._draining or self._deps is None:
             return
         adopted = 0
         for record in await self.tasks.adoptable(limit - len(self._submitted)):
@@ -801,9 +802,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 break
             if not await self.tasks.claim(record):  # another orchestrator took it first
                 continue
-            if self._stopping or len(self._submitted) >= limit:
-                # stop() began during the claim (its backlog released already), or submits filled the backlog
-                # meanwhile: given back for another sweep or replica
+            if self._stopping or self._draining or len(self._submitted) >= limit:
+                # the drain or stop() began during the claim (its backlog released already), or submits filled
+                # the backlog meanwhile: given back for another sweep or replica
                 await self.tasks.release(record.task_id)
                 break
             try:
