@@ -73,7 +73,8 @@ from switchyard.orchestrator.taskstore import (
     task_status,
 )
 from switchyard.orchestrator.taskstore.base import RELEASED, TASKS_ADOPTED
-from switchyard.orchestrator.validation import TaskSpec, apply_edge_headers, edge_tenant, task_spec_of, validate
+from switchyard.orchestrator.validation import (TaskSpec, apply_edge_headers, edge_tenant, task_spec_of, token_tenant,
+                                                validate)
 from switchyard.orchestrator.workflows import WORKFLOWS, check_question_fits
 
 log = logging.getLogger(__name__)
@@ -973,11 +974,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
     def _visible_to_caller(self, tenant_id: str, context: grpc.aio.ServicerContext) -> bool:
         """Whether the caller may read a task of ``tenant_id``: always with auth off or a token that names no
         tenant (an ``x-tenant-id`` header is the caller's own word, not a credential), else only its own."""
-        tokens = self.bearer_tokens()
-        if tokens is None:
-            return True
-        authorization = next((str(v) for k, v in context.invocation_metadata() or () if k == "authorization"), None)
-        own = tokens.tenant_of(authorization)
+        own = token_tenant(context.invocation_metadata(), self.bearer_tokens())
         return not own or own == (tenant_id or DEFAULT_TENANT)
 
     async def _record_running(self, entry: Submitted) -> bool:

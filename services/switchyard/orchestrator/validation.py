@@ -113,6 +113,15 @@ def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tup
             request.priority = priority
 
 
+def token_tenant(metadata: Iterable[tuple[str, str]] | None, tokens: "BearerTokens | None") -> str:
+    """The tenant the caller's bearer token (the ``authorization`` header) names; "" with auth off (``tokens``
+    None) or a token that names none. The one reading of it: the task's tenant (:func:`edge_tenant`) and which
+    tasks a caller may read (``OrchestratorService._visible_to_caller``)."""
+    if tokens is None:
+        return ""
+    return tokens.tenant_of(next((str(value) for key, value in metadata or () if key == "authorization"), None))
+
+
 def edge_tenant(metadata: Iterable[tuple[str, str]] | None, tokens: "BearerTokens | None") -> str:
     """The task's tenant: its bearer token's (``tokens``: None with auth off), else the ``x-tenant-id`` header,
     else ``default``.
@@ -126,8 +135,7 @@ def edge_tenant(metadata: Iterable[tuple[str, str]] | None, tokens: "BearerToken
     header = _edge_header_without_ows(metadata, TENANT_HEADER) or ""
     if header:
         check_tenant(header, f"{TENANT_HEADER} header")
-    authorization = next((str(value) for key, value in metadata or () if key == "authorization"), None)
-    own = tokens.tenant_of(authorization) if tokens is not None else ""
+    own = token_tenant(metadata, tokens)
     if own:
         if header and header != own:
             raise SwitchyardError(f"{TENANT_HEADER}: the bearer token belongs to another tenant than {header!r}; "
