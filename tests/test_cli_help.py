@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from switchyard.cli import COMMANDS
@@ -33,9 +37,6 @@ def test_plain_keeps_words_and_lines():
 def test_a_reader_that_went_away_ends_the_command_quietly(argv):
     """``switchyard ... | head -1``: the pipe closed before the command wrote, exit 0 and no traceback (as
     Unix tools do), whichever command it is."""
-    import subprocess
-    import sys
-
     proc = subprocess.Popen([sys.executable, "-m", "switchyard.cli", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader is gone before the first write
@@ -114,11 +115,8 @@ def _sigint_as_a_terminal_gives_it() -> None:
 def test_ctrl_c_stops_a_command_with_status_130_and_no_traceback():
     """SIGINT while `switchyard profile` waits on an endpoint that never answers: exit 130, nothing on stderr but
     what the command said; bench run, bench http and profile printed a KeyboardInterrupt traceback."""
-    import os
     import signal
     import socket
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -141,3 +139,15 @@ def test_ctrl_c_stops_a_command_with_status_130_and_no_traceback():
             proc.kill()
     assert proc.returncode == 130, (proc.returncode, err, f"SIGINT here: {parent}")
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_python_dash_m_switchyard_is_the_switchyard_command():
+    """``python -m switchyard`` runs the command as the console script does (an environment whose scripts folder
+    is not on PATH): its usage, and a usage error's status 2."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    ran = subprocess.run([sys.executable, "-m", "switchyard", "--help"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert ran.returncode == 0 and ran.stdout.startswith("usage: switchyard COMMAND"), ran.stderr
+    wrong = subprocess.run([sys.executable, "-m", "switchyard", "nope"], capture_output=True, text=True, env=env,
+                           timeout=120)
+    assert wrong.returncode == 2 and "unknown command 'nope'" in wrong.stderr
