@@ -867,3 +867,17 @@ def test_a_fault_takes_a_word_where_it_names_one():
     assert parse_fault("stream_type=application/x-ndjson") == Fault(stream_type="application/x-ndjson")
     with pytest.raises(ValueError, match="finish=<word>"):
         parse_fault("finish")
+
+
+def test_each_tool_call_of_an_answer_has_an_id_of_its_own():
+    """The next turn answers each call by its id (``tool_call_id``): a server repeating an id, or a given
+    ``call_0`` beside a call without one (which is named ``call_<place>``), had two calls under one id."""
+    decoder = StreamDecoder("m")
+    deltas = [{"index": 0, "id": "dup", "function": {"name": "a", "arguments": "{}"}},
+              {"index": 1, "id": "dup", "function": {"name": "b", "arguments": "{}"}},
+              {"index": 2, "function": {"name": "c", "arguments": "{}"}},
+              {"index": 3, "id": "call_2", "function": {"name": "d", "arguments": "{}"}}]
+    for delta in deltas:
+        decoder.feed(chunk({"tool_calls": [delta]}))
+    calls = [e for e in decoder.feed(chunk({}, "tool_calls")) if isinstance(e, ToolCallOut)]
+    assert [(c.call_id, c.name) for c in calls] == [("dup", "a"), ("dup_1", "b"), ("call_2", "c"), ("call_2_3", "d")]

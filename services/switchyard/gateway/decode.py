@@ -158,11 +158,19 @@ class ToolCallAssembler:
             call.arguments.append(str(arguments))
 
     def drain(self) -> list[ToolCallOut]:
-        """The calls gathered so far, in the order they started; the assembler is empty afterwards."""
-        out = [
-            ToolCallOut(c.call_id or f"call_{i}", fix_surrogates(c.name), fix_surrogates("".join(c.arguments)) or "{}")
-            for i, c in enumerate(self._calls)
-        ]
+        """The calls gathered so far, in the order they started, each under an id of its own; the assembler is
+        empty afterwards. A call without an id is ``call_<i>`` (its place); an id already taken in the answer (a
+        server repeating one, or a given ``call_0`` beside a missing one) gets ``_<i>`` added: the next turn
+        answers each call by its id (``tool_call_id``), and the OpenAI API refuses a turn whose results share
+        one."""
+        out: list[ToolCallOut] = []
+        taken: set[str] = set()
+        for i, c in enumerate(self._calls):
+            call_id = c.call_id or f"call_{i}"
+            while call_id in taken:
+                call_id = f"{call_id}_{i}"
+            taken.add(call_id)
+            out.append(ToolCallOut(call_id, fix_surrogates(c.name), fix_surrogates("".join(c.arguments)) or "{}"))
         self._calls.clear()
         self._by_index.clear()
         return out
