@@ -12,6 +12,7 @@ from redis_fixtures import redis_db, redis_server  # noqa: F401
 from switchyard.api import agent_pb2
 from switchyard.common.config import TaskStoreConfig
 from switchyard.orchestrator.taskstore import fingerprint
+from switchyard.orchestrator.taskstore.base import TaskRecord
 from switchyard.orchestrator.taskstore.redis_store import RedisTaskStore
 from switchyard.orchestrator.taskstore.sqlite_store import SqliteTaskStore
 
@@ -557,6 +558,54 @@ async def test_a_live_orchestrators_lease_outlives_the_evictions_of_a_full_redis
             await b.close()
             await a.close()
             assert await b._owner_dead(a.owner)  # a closed: its lease is gone
+    finally:
+        server.stop()
+
+
+async def test_cancel_requests_and_an_agents_tasks_outlive_the_evictions_of_a_full_redis():
+    """A cancel request addressed to a live orchestrator (``cancels:{owner}``) and the set of an agent whose task
+    is unfinished (``agent:{agent_id}:tasks``, which answers the agent's latest task) had TTLs, so a full Redis
+    under volatile-lru (deploy/k8s/base/redis.yaml's policy) evicted them: the cancel was lost and the agent's
+    running task read as none. Neither has a TTL while it is needed; the agent's set gets one when its last task
+    finishes, and the cancel set of an owner without a lease still expires."""
+    import redis as sync_redis
+    from redis_fixtures import start_redis
+
+    from switchyard.common.config import DramTierConfig
+
+    server = start_redis()
+    try:
+        dram = DramTierConfig(embedded=False, host=server.host, port=server.port)
+        prefix = dram.key_prefix
+        with sync_redis.Redis(host=server.host, port=server.port) as client:
+            a = RedisTaskStore(TaskStoreConfig(lease_s=60), dram)
+            b = RedisTaskStore(TaskStoreConfig(lease_s=60), dram)
+            await a.open()
+            await b.open()
+            record, _ = await a.create("t-agent", "fp", "", agent_id="agent-1")
+            assert await a.mark_running("t-agent")
+            await b.request_cancel(record)
+            await b.request_cancel(TaskRecord("t-gone", "fp", agent_pb2.RUNNING, "gone:9:0123abcd"))
+            assert client.pttl(f"{prefix}agent:agent-1:tasks") == -1  # no TTL while its task runs
+            assert client.pttl(f"{prefix}cancels:{a.owner}") == -1
+            assert client.pttl(f"{prefix}cancels:gone:9:0123abcd") > 0  # no lease: it still expires
+            used = int(client.info("memory")["used_memory"])
+            client.config_set("maxmemory-policy", "volatile-lru")
+            client.config_set("maxmemory", str(used + 2 * 1024 * 1024))
+            with client.pipeline(transaction=False) as pipe:
+                for i in range(2000):  # 20 MB of TTL'd entries (swapped KV state) into 2 MB of room
+                    pipe.set(f"{prefix}kv:seq:fill-{i}", b"x" * 10_000, px=3_600_000)
+                pipe.execute()
+            assert int(client.info("stats")["evicted_keys"]) > 0
+            client.config_set("maxmemory", "0")
+            latest = await b.latest_of_agent("agent-1")
+            assert latest is not None and latest.task_id == "t-agent", latest
+            assert await a.take_cancels() == ["t-agent"]
+            assert await a.finish("t-agent", agent_pb2.SUCCEEDED)
+            assert client.pttl(f"{prefix}agent:agent-1:tasks") > 0  # its last task finished: evictable again
+            await b.close()
+            await a.close()
+            assert not client.exists(f"{prefix}cancels:{a.owner}")
     finally:
         server.stop()
 

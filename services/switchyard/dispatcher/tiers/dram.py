@@ -10,7 +10,11 @@ The plain fields serve the DRAM scan, which reads no payload; a restore takes
 everything from the sealed blob, and a blob that does not prove itself (cut
 short, planted by another writer, damaged) is a miss, counted in
 ``switchyard_tier_corrupt_blobs_total``, and deleted. Every entry has a TTL
-(``[dram] kv_ttl_s``).
+(``[dram] kv_ttl_s``), so a Redis full at ``maxmemory`` under a ``volatile-*`` policy
+(``deploy/k8s/base/redis.yaml``: ``volatile-lru``) may evict it: the tier is a cache, and
+an evicted entry is a miss like an expired one (counted in ``switchyard_tier_misses_total``,
+its tokens computed again by prefill; the DRAM scan drops it from the tier's size when it
+no longer finds it).
 
 Outages are the client's business (one WARNING per outage,
 ``switchyard_dram_up``, ``switchyard_dram_outages_total``,

@@ -7,23 +7,26 @@ It uses the DRAM tier's Redis (``memory_policy.toml [dram]``). Keys, under
   timings, created_at, updated_at, finished_at; a hash written before records kept ``spec`` reads it ''); a finished task's hash expires
   ``retention_s`` after it finished;
 - ``agent:{agent_id}:tasks``: a sorted set of the agent's last task_ids by creation time
-  (:data:`AGENT_TASKS_KEPT` of them; it expires with the agent's newest task);
+  (:data:`AGENT_TASKS_KEPT` of them). It has no TTL while one of them is unfinished; when the last of them
+  finishes (or is deleted) it expires ``2 * retention_s`` later, after its tasks' records;
 - ``tasks:unfinished``: a set of the task_ids not yet finished (the orphan sweep reads it);
 - ``tasks:finished``: a sorted set of finished task_ids by finish time (the
   ``max_finished_tasks`` bound);
 - ``orchestrators``: a hash of the orchestrators' leases, owner -> JSON (expires_at, host, pid), with no TTL
   of its own (see :data:`LEASES`); an expired entry is removed by the next purge;
 - ``cancels:{owner}``: a set of the task_ids other orchestrators asked ``owner`` to cancel
-  (``SPOP``-ed by the owner; it expires ``3 * lease_s`` after the last request, as a dead owner's would).
+  (``SPOP``-ed by the owner). It has no TTL while ``owner`` holds a lease in ``orchestrators`` (its renewal
+  removes one); an owner without a lease (a former build's, or one that stopped), or whose run-out lease the
+  purge removes, has its set expire ``3 * lease_s`` later; a clean stop deletes it.
 
 Create, update and the owner's compare-and-set (release, adopt) are Lua scripts, so a check and its write are one atomic step
 even with several replicas. For tasks to survive a restart of Redis itself, that
 Redis must persist (``appendonly yes``, as the embedded Redis of ``switchyard up`` and
 ``deploy/k8s/base/redis.yaml`` do).
 
-Nothing a live task depends on has a TTL: a Redis full at ``maxmemory`` under a ``volatile-*`` policy
-(``volatile-lru`` in ``deploy/k8s/base/redis.yaml``) evicts only keys with one (agent memory, swapped KV state,
-finished tasks).
+Nothing a live task or a live orchestrator depends on has a TTL: a Redis full at ``maxmemory`` under a
+``volatile-*`` policy (``volatile-lru`` in ``deploy/k8s/base/redis.yaml``) evicts only keys with one (agent
+memory, swapped KV state, finished tasks and the task sets of agents with no unfinished task).
 """
 
 from __future__ import annotations
@@ -58,21 +61,35 @@ AGENT_TASKS_KEPT = 8
 """Task ids remembered per agent: the latest answers GET /api/v1/agent/{agent_id}/status; the ones before it
 stand in while the latest's record is gone (refused before it was queued)."""
 
-# KEYS: task hash, unfinished set, the agent's sorted set (or ''); ARGV: task_id, created_at, ttl ms, kept, fields...
+# KEYS: task hash, unfinished set, the agent's sorted set (or ''); ARGV: task_id, created_at, kept, fields...
 _CREATE = """
 local existing = redis.call('HGETALL', KEYS[1])
 if #existing > 0 then return existing end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('SADD', KEYS[2], ARGV[1])
 if KEYS[3] ~= '' then
   redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
-  redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -tonumber(ARGV[4]) - 1)
-  redis.call('PEXPIRE', KEYS[3], ARGV[3])
+  redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -tonumber(ARGV[3]) - 1)
+  redis.call('PERSIST', KEYS[3])
 end
 return {}
 """
 
-_UPDATE = """
+# The agent's set (KEYS[agent], or '') expires ARGV[ttl] ms from now unless one of its tasks is unfinished
+# (in KEYS[unfinished]): its tasks' records must outlive it.
+_AGENT_SET_EXPIRY = """
+local function expire_agent_set(agent, unfinished, ttl)
+  if agent == '' then return end
+  for _, id in ipairs(redis.call('ZRANGE', agent, 0, -1)) do
+    if redis.call('SISMEMBER', unfinished, id) == 1 then return end
+  end
+  redis.call('PEXPIRE', agent, ttl)
+end
+"""
+
+# KEYS: task hash, unfinished set, finished set, the agent's sorted set (or ''); ARGV: task_id, owner, state, now,
+# retention ms, fields...
+_UPDATE = _AGENT_SET_EXPIRY + """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
 local finished = redis.call('HGET', KEYS[1], 'finished_at')
 if finished and finished ~= '' then return 0 end
@@ -83,17 +100,28 @@ if ARGV[3] == '3' or ARGV[3] == '4' then
   redis.call('SREM', KEYS[2], ARGV[1])
   redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
   redis.call('PEXPIRE', KEYS[1], ARGV[5])
+  expire_agent_set(KEYS[4], KEYS[2], 2 * tonumber(ARGV[5]))
 end
 return 1
 """
 
-_DELETE = """
+# KEYS: task hash, unfinished set, the agent's sorted set (or ''); ARGV: task_id, owner, retention ms
+_DELETE = _AGENT_SET_EXPIRY + """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
 local finished = redis.call('HGET', KEYS[1], 'finished_at')
 if finished and finished ~= '' then return 0 end
 if KEYS[3] ~= '' then redis.call('ZREM', KEYS[3], ARGV[1]) end
 redis.call('DEL', KEYS[1])
 redis.call('SREM', KEYS[2], ARGV[1])
+expire_agent_set(KEYS[3], KEYS[2], 2 * tonumber(ARGV[3]))
+return 1
+"""
+
+# KEYS: the owner's cancel set, the leases hash; ARGV: task_id, owner, ttl ms
+_REQUEST_CANCEL = """
+redis.call('SADD', KEYS[1], ARGV[1])
+if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then redis.call('PERSIST', KEYS[1])
+else redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
 return 1
 """
 
@@ -156,6 +184,7 @@ class RedisTaskStore(TaskStore):
         self._update_script = self.redis.register_script(_UPDATE)
         self._delete_script = self.redis.register_script(_DELETE)
         self._reassign_script = self.redis.register_script(_REASSIGN)
+        self._request_cancel_script = self.redis.register_script(_REQUEST_CANCEL)
         self._unfinished_key = f"{self.prefix}tasks:unfinished"
         self._finished_key = f"{self.prefix}tasks:finished"
         self._agent_prefix = f"{self.prefix}agent:"
@@ -196,12 +225,10 @@ class RedisTaskStore(TaskStore):
         for name in _FIELDS:
             value = stored[name]
             fields += [name, "" if value is None else value]
-        # The agent's set outlives its newest task: that task's own time limit is far below a retention.
-        agent_ttl_ms = int(2 * self.config.retention_s * 1000)
         agent_tasks = self._agent_key(record.agent_id, record.tenant_id) if record.agent_id else ""
         existing = await self._do(self._create_script(
             keys=[self._task_key(record.task_id), self._unfinished_key, agent_tasks],
-            args=[record.task_id, repr(record.created_at), agent_ttl_ms, AGENT_TASKS_KEPT, *fields]))
+            args=[record.task_id, repr(record.created_at), AGENT_TASKS_KEPT, *fields]))
         if not existing:
             return record, True
         return _record(record.task_id, existing), False
@@ -225,18 +252,23 @@ class RedisTaskStore(TaskStore):
         for name, value in fields.items():
             flat += [name, value]
         retention_ms = int(self.config.retention_s * 1000)
+        agent_tasks = await self._agent_key_of(task_id) if state in (agent_pb2.SUCCEEDED, agent_pb2.FAILED) else ""
         done = await self._do(self._update_script(
-            keys=[self._task_key(task_id), self._unfinished_key, self._finished_key],
+            keys=[self._task_key(task_id), self._unfinished_key, self._finished_key, agent_tasks],
             args=[task_id, owner, state, repr(time.time()), retention_ms, *flat]))
         return bool(done)
 
-    async def _delete(self, task_id: str, owner: str) -> None:
-        # The agent's set is named here, by agent_key's one rule (its tenant's and its id's), from the record's
-        # fields, which never change after create; the script checks the owner and the state.
+    async def _agent_key_of(self, task_id: str) -> str:
+        """The key of the set of the agent of ``task_id``'s record, '' where it names none or is gone."""
+        # Named here, by agent_key's one rule (its tenant's and its id's), from the record's fields, which never
+        # change after create; the scripts check the owner and the state.
         agent, tenant = await self._do(self.redis.hmget(self._task_key(task_id), "agent_id", "tenant_id"))
-        agent_tasks = self._agent_key(agent.decode(), (tenant or b"").decode()) if agent else ""
+        return self._agent_key(agent.decode(), (tenant or b"").decode()) if agent else ""
+
+    async def _delete(self, task_id: str, owner: str) -> None:
+        agent_tasks = await self._agent_key_of(task_id)
         await self._do(self._delete_script(keys=[self._task_key(task_id), self._unfinished_key, agent_tasks],
-                                           args=[task_id, owner]))
+                                           args=[task_id, owner, int(self.config.retention_s * 1000)]))
 
     async def _reassign(self, task_id: str, owner: str, new_owner: str) -> bool:
         done = await self._do(self._reassign_script(keys=[self._task_key(task_id)],
@@ -264,10 +296,15 @@ class RedisTaskStore(TaskStore):
 
     async def _renew(self, lease: Lease) -> None:
         value = json.dumps({"expires_at": lease.expires_at, "host": lease.host, "pid": lease.pid})
-        await self._do(self.redis.hset(self._leases_key, self.owner, value))
+        async with self.redis.pipeline(transaction=True) as pipe:
+            # a cancel asked while this lease was missing (purged as run out after an outage) was given a TTL
+            pipe.hset(self._leases_key, self.owner, value).persist(self._cancels_key(self.owner))
+            await self._do(pipe.execute())
 
     async def _release(self) -> None:
-        await self._do(self.redis.hdel(self._leases_key, self.owner))
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(self._leases_key, self.owner).delete(self._cancels_key(self.owner))
+            await self._do(pipe.execute())
 
     async def _lease(self, owner: str) -> Lease | None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -279,11 +316,14 @@ class RedisTaskStore(TaskStore):
     def _cancels_key(self, owner: str) -> str:
         return f"{self.prefix}cancels:{owner}"
 
+    @property
+    def _stale_cancels_ms(self) -> int:
+        """How long the cancel set of an owner without a lease lasts (milliseconds)."""
+        return int(3 * self.config.lease_s * 1000)
+
     async def _request_cancel(self, task_id: str, owner: str) -> None:
-        key = self._cancels_key(owner)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.sadd(key, task_id).pexpire(key, int(3 * self.config.lease_s * 1000))
-            await self._do(pipe.execute())
+        await self._do(self._request_cancel_script(keys=[self._cancels_key(owner), self._leases_key],
+                                                   args=[task_id, owner, self._stale_cancels_ms]))
 
     async def _take_cancels(self) -> list[str]:
         taken = await self._do(self.redis.spop(self._cancels_key(self.owner), CANCELS_TAKEN))
@@ -312,6 +352,10 @@ class RedisTaskStore(TaskStore):
         # leases that ran out (their orchestrators stopped without releasing them): read as none already
         leases = await self._do(self.redis.hgetall(self._leases_key))
         expired = [owner for owner, raw in leases.items() if _read_lease(raw).expires_at < now]
-        if expired:
-            await self._do(self.redis.hdel(self._leases_key, *expired))
+        if expired:  # their cancel sets expire as a leaseless owner's (a live one's renewal keeps its own)
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hdel(self._leases_key, *expired)
+                for owner in expired:
+                    pipe.pexpire(self._cancels_key(owner.decode()), self._stale_cancels_ms)
+                await self._do(pipe.execute())
         return int(removed)
