@@ -163,6 +163,44 @@ async def test_an_overloaded_answer_asking_for_longer_than_the_call_has_left_fai
     assert f"model {PRIMARY!r} asked to wait 20.0 s" in str(caught.value) and "left before the call's deadline" in str(caught.value)
 
 
+async def test_a_retry_that_would_not_leave_an_attempts_time_to_first_token_is_not_started(clean_proxy_env) -> None:
+    """A 429 asking for 0.5 s with 1 s left: the wait ends before the deadline, but an attempt of this model
+    server takes 0.8 s to its first token, so the retry was sent, cut at the deadline, and the caller read a bare
+    DEADLINE_EXCEEDED. It is not started: the 429's RESOURCE_EXHAUSTED names the wait, the time an attempt takes,
+    the time left and who set the deadline (the caller's, from its task's time limit)."""
+    faults = {PRIMARY: Fault(status=429, retry_after=0.5, fail_first=1, slow_ms=800), FALLBACK: Fault(slow_ms=800)}
+    with start_sim(faults=faults) as server:
+        config = gateway_config(server.base_url, max_retries=3, retry_after_max_s=30, fallback_model="")
+        async with GatewayClient(config) as client:
+            # a call of the server's other model measures its time to first token (the limit's TTFT)
+            [e async for e in client.stream_chat(ChatRequest(messages=[{"role": "user", "content": "hi"}],
+                                                             model=FALLBACK, max_tokens=1))]
+            assert client.pool.expected_ttft_s(PRIMARY) >= 0.8
+            request = ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=1, timeout_s=1.0,
+                                  deadline_source="orchestrator.task_time_limit_s.chat = 1")
+            with pytest.raises(GatewayError) as caught:
+                async for _ in client.stream_chat(request):
+                    pass
+        assert server.state.counts[PRIMARY] == 1  # the retry was never sent
+    said = str(caught.value)
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, said
+    assert f"model {PRIMARY!r} asked to wait 0.5 s, leaving" in said, said
+    assert "s an attempt takes to its first token" in said, said
+    assert "before the call's deadline (set by its caller, from orchestrator.task_time_limit_s.chat = 1)" in said
+
+
+async def test_a_refusal_past_the_deadline_names_who_set_it() -> None:
+    config = gateway_config("http://127.0.0.1:1/v1", max_retries=3)
+
+    async def once(model: str) -> str:
+        raise _rate_limited(10)
+
+    deadline = asyncio.get_running_loop().time() + 1.0
+    with pytest.raises(UpstreamRateLimited) as caught:
+        await with_retries("m", once, config, deadline, deadline_set_by="model_gateway.total_timeout_s = 1")
+    assert "left before the call's deadline (set by model_gateway.total_timeout_s = 1)" in str(caught.value)
+
+
 async def test_a_short_wait_is_waited_out_by_later_calls_too(clean_proxy_env) -> None:
     """A wait within the cap: the next call is held until it has passed, then reaches the model."""
     with start_sim(faults={PRIMARY: Fault(status=429, retry_after=0.3, fail_first=1)}) as server:

@@ -455,6 +455,20 @@ async def test_a_refusal_names_the_time_limit_key_that_set_the_deadline():
             assert f"before its deadline (orchestrator.task_time_limit_s.{task_type} = {limits[task_type]})" in details
 
 
+async def test_each_generate_names_what_set_its_tasks_deadline():
+    """A model step's upstream refusals that cite the call's deadline (a retry after a 429 that would outlast it)
+    said only "the call's deadline": the dispatcher's gateway did not know whether the task's time limit or its
+    caller's deadline had set it. Each GenerateRequest carries it, as the task's own out-of-time errors name it."""
+    down = Recording()
+    limits = {"chat": 30, "rag_answer": 31, "react_loop": 32}
+    async with stack(down, **{"orchestrator.task_time_limit_s": limits}) as (stub, down):
+        await collect(stub, task_id="by-limit", payload="hi", task_type="chat")
+        await collect(stub, task_id="by-caller", payload="hi", task_type="chat", timeout=20)
+    sources = {r.request_id.split(":")[0]: r.deadline_source for r in down.requests}
+    assert sources == {"by-limit": "orchestrator.task_time_limit_s.chat = 30",
+                       "by-caller": "the caller's gRPC deadline"}, sources
+
+
 async def test_a_rag_answer_task_that_cannot_make_its_deadline_is_refused_before_its_retrieval_and_warm_up():
     """rag_answer's work is its retrieval and its model step: a task whose time left is below them was let
     start its retrieval (and its prefill-only warm-up, sent with no refusal check) and was refused only at its
@@ -678,7 +692,8 @@ async def test_generate_checks_the_new_fields_and_a_prefill_only_request_without
         tenant_id="acme", task_time_left_s=5.0, expected_remaining_work_s=1.0))]
     assert [c.WhichOneof("chunk") for c in chunks] == ["done"] and chunks[0].done.usage.completion_tokens == 0
     for field, value in [("tenant_id", "bad tenant"), ("task_time_left_s", -1.0),
-                         ("expected_remaining_work_s", float("inf"))]:
+                         ("expected_remaining_work_s", float("inf")), ("deadline_source", "x" * 400),
+                         ("deadline_source", "limit\nforged line")]:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async for _ in stub.Generate(agent_pb2.GenerateRequest(prompt="hi", **{field: value})):
                 pass

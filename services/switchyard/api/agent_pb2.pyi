@@ -322,7 +322,7 @@ class ToolSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "prompt_tokens", "max_tokens", "model", "priority", "task_type", "agent_id", "tools", "resume", "tenant_id", "task_time_left_s", "expected_remaining_work_s", "prefill_only", "task_id", "no_early_refusal", "early_refusal_margin_s")
+    __slots__ = ("request_id", "prompt", "messages", "prompt_tokens", "max_tokens", "model", "priority", "task_type", "agent_id", "tools", "resume", "tenant_id", "task_time_left_s", "expected_remaining_work_s", "prefill_only", "task_id", "no_early_refusal", "early_refusal_margin_s", "deadline_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +341,7 @@ class GenerateRequest(_message.Message):
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     NO_EARLY_REFUSAL_FIELD_NUMBER: _ClassVar[int]
     EARLY_REFUSAL_MARGIN_S_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -359,7 +360,8 @@ class GenerateRequest(_message.Message):
     task_id: str
     no_early_refusal: bool
     early_refusal_margin_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., task_type: _Optional[str] = ..., agent_id: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ..., resume: _Optional[bool] = ..., tenant_id: _Optional[str] = ..., task_time_left_s: _Optional[float] = ..., expected_remaining_work_s: _Optional[float] = ..., prefill_only: _Optional[bool] = ..., task_id: _Optional[str] = ..., no_early_refusal: _Optional[bool] = ..., early_refusal_margin_s: _Optional[float] = ...) -> None: ...
+    deadline_source: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., task_type: _Optional[str] = ..., agent_id: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ..., resume: _Optional[bool] = ..., tenant_id: _Optional[str] = ..., task_time_left_s: _Optional[float] = ..., expected_remaining_work_s: _Optional[float] = ..., prefill_only: _Optional[bool] = ..., task_id: _Optional[str] = ..., no_early_refusal: _Optional[bool] = ..., early_refusal_margin_s: _Optional[float] = ..., deadline_source: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("call_id", "name", "arguments_json")

@@ -60,6 +60,10 @@ read again for a model the list does not name): their callers' deadlines are a f
 asks DescribeModel again with 1 s, ``MODEL_INFO_REFRESH_TIMEOUT_S``). Each of the two waits had this bound of
 its own, so a call could wait twice as long."""
 
+DEADLINE_SOURCE_EXTRA_CHARS = 64
+"""Characters a ``GenerateRequest.deadline_source`` may have beyond ``limits.max_id_chars`` (the orchestrator's
+``orchestrator.task_time_limit_s.<type> = 600`` names a task type, an id of at most that)."""
+
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_NAME_EXPECTED = "1 to 64 characters of A-Z a-z 0-9 _ - (the OpenAI function name's rule)"
@@ -157,8 +161,9 @@ def to_request(
             ``messages``, ``tools``, ``messages[i].role``, ``tools[i].name`` (not :data:`TOOL_NAME`'s, or another
             tool's), ``tools[i].parameters_json`` (:func:`schema_problem`; its size, and all of them together:
             :func:`check_tool_schema_sizes`), ``tenant_id``,
-            ``task_time_left_s``, ``expected_remaining_work_s``, ``early_refusal_margin_s`` or ``resume`` (set
-            without an ``agent_id``).
+            ``task_time_left_s``, ``expected_remaining_work_s``, ``early_refusal_margin_s``, ``deadline_source``
+            (longer than ``limits.max_id_chars`` + :data:`DEADLINE_SOURCE_EXTRA_CHARS`, or not printable) or ``resume`` (set without an
+            ``agent_id``).
         SwitchyardError: NOT_FOUND, a model this engine does not serve.
     """
     limits = config.limits
@@ -202,6 +207,7 @@ def to_request(
         prefill_only=request.prefill_only,
         no_early_refusal=request.no_early_refusal,
         early_refusal_margin_s=request.early_refusal_margin_s,
+        deadline_source=request.deadline_source,
     )
 
 
@@ -212,6 +218,10 @@ def _check_fields(request: agent_pb2.GenerateRequest, limits: RequestLimitsConfi
                                 ("expected_remaining_work_s", request.expected_remaining_work_s, "not given"),
                                 ("early_refusal_margin_s", request.early_refusal_margin_s, "no shortfall tolerated")):
         untrusted.check_seconds(seconds, name, zero)
+    if len(request.deadline_source) > (most := limits.max_id_chars + DEADLINE_SOURCE_EXTRA_CHARS):
+        raise InvalidArgument("deadline_source", f"at most {most} characters (limits.max_id_chars + "
+                              f"{DEADLINE_SOURCE_EXTRA_CHARS})", f"{len(request.deadline_source)} chars")
+    untrusted.check_id_chars(request.deadline_source, "deadline_source")
     if not request.prompt.strip() and not request.messages:
         raise InvalidArgument("prompt", "a non-empty prompt, or at least one message", request.prompt)
     if request.max_tokens < 0 or request.max_tokens > limits.max_tokens:

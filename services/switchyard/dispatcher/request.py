@@ -215,7 +215,7 @@ class Request:
     ``agent.Priority``; its numbers differ from the class's ranks, so a number is refused here)."""
     resume: bool = False
     """Set by a react_loop agent coming back from a tool call (warm prefix state)."""
-    # --- the task's program, as its orchestrator sees it (GenerateRequest fields 12-15, 17 and 18)
+    # --- the task's program, as its orchestrator sees it (GenerateRequest fields 12-15 and 17-19)
     tenant_id: str = DEFAULT_TENANT
     task_time_left_s: float | None = None
     """Seconds its task had left when the request was sent; None: not given."""
@@ -229,6 +229,9 @@ class Request:
     early_refusal_margin_s: float = 0.0
     """Shortfall of slack tolerated before it is refused as unable to make its deadline, seconds (its
     orchestrator's ``orchestrator.program.refuse_early_margin_s``)."""
+    deadline_source: str = ""
+    """What set its task's deadline (``GenerateRequest.deadline_source``: ``orchestrator.task_time_limit_s.<type>
+    = 600`` or the caller's gRPC deadline), named by the upstream's refusals that cite it; "" when not given."""
 
     arrival: float = field(default_factory=time.monotonic)
     """When its start arrived (the GenerateStream message carrying it, or the Generate call), stamped by its session

@@ -262,6 +262,10 @@ class _Call:
     request_id: str
     budget: str = ""
     """What set ``deadline``, for the error message."""
+    set_by: str = ""
+    """Who set ``deadline``, for the refusals that cite it: ``model_gateway.total_timeout_s = 60``, ``its caller,
+    from orchestrator.task_time_limit_s.chat = 600`` (the caller's :attr:`ChatRequest.deadline_source`), or ``its
+    caller``."""
     sent: int = 0
     """HTTP requests sent so far for this call (retries, other endpoints, the fallback model, a field resent)."""
     callers_deadline: bool = False
@@ -745,11 +749,14 @@ class GatewayClient:
             GATEWAY_REQUESTS.labels(self._label(self.models_for(request.model)[0]), exc.code.name).inc()
             raise
         budget_s, budget = self.config.total_timeout_s, f"model_gateway.total_timeout_s={self.config.total_timeout_s:g}s"
+        set_by = f"model_gateway.total_timeout_s = {self.config.total_timeout_s:g}"
         callers = request.timeout_s is not None and request.timeout_s < budget_s
         if callers:
-            budget_s, budget = request.timeout_s, f"the caller's deadline ({request.timeout_s:.3g}s left)"
+            source = f", from {request.deadline_source}" if request.deadline_source else ""
+            budget_s, budget = request.timeout_s, f"the caller's deadline ({request.timeout_s:.3g}s left{source})"
+            set_by = f"its caller{source}"
         deadline = asyncio.get_running_loop().time() + budget_s
-        return _Call(key, token, deadline, span, request.request_id, budget, callers_deadline=callers)
+        return _Call(key, token, deadline, span, request.request_id, budget, set_by, callers_deadline=callers)
 
     async def _with_fallback(
         self, call: _Call, request: ChatRequest, once: Callable[[Endpoint, str], Awaitable[T]]
@@ -775,6 +782,7 @@ class GatewayClient:
         result, model = await with_fallback(
             chain, attempt, self.config, deadline=call.deadline,
             on_deadline=lambda model: self._deadline_error(model, call),
+            deadline_set_by=call.set_by, attempt_s=self.pool.expected_ttft_s,
         )
         if model != chain[0]:
             call.span.set_attribute("switchyard.gateway.fallback_model", model)

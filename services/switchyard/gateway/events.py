@@ -39,6 +39,10 @@ class ChatRequest:
     timeout_s: float | None = None
     """Seconds the caller has left (its gRPC deadline, passed on by the dispatcher): the completion,
     retries and fallback included, must end within this and ``model_gateway.total_timeout_s``."""
+    deadline_source: str = ""
+    """What set the caller's deadline (``timeout_s``), as its caller named it (the task's
+    ``orchestrator.task_time_limit_s.<type> = 600`` or its caller's gRPC deadline); "" when not known. Named by
+    the errors that cite the call's deadline."""
     affinity_key: str = ""
     """Whose warm state the call continues (the agent id): with a pool of endpoints, its calls go to one endpoint
     while its load allows; empty: a hash of the prompt's opening text is the key."""

@@ -527,6 +527,15 @@ class EndpointPool:
         """Whether ``endpoint``'s model list names ``model`` (True while its list has not been read)."""
         return endpoint.models is None or model_names.listed(model, endpoint.models)
 
+    def expected_ttft_s(self, model: str) -> float:
+        """Seconds an attempt of ``model`` is expected to take to its first item: the fastest recent TTFT
+        (:attr:`Endpoint.ttft_s`, which its limit keeps) among the endpoints up that list ``model``; 0.0 before
+        any was measured. A retry that would not leave this much before the call's deadline after its wait is
+        not started (:func:`switchyard.gateway.resilience.with_retries`)."""
+        measured = [e.ttft_s for e in self.endpoints.values()
+                    if e.ttft_s is not None and e.up and self.lists(e, model)]
+        return min(measured, default=0.0)
+
     def finished(self, endpoint: Endpoint, error: GatewayError | None = None) -> None:
         """A call :meth:`pick` placed on ``endpoint`` ended, with ``error`` or none; an error that says the
         upstream refused load (:attr:`GatewayError.refuses_load`: a 429 or 503, answered or inside the stream)

@@ -6,9 +6,17 @@
   retrying only errors marked ``retryable``. When the upstream said how long
   to wait (``Retry-After`` delta-seconds or HTTP-date, ``retry-after-ms``, on a
   429 or 503), the wait is at least that and is never shortened: a wait longer
-  than ``retry_after_max_s``, or than the time left before the call's
-  deadline, is not taken and the upstream's error is raised at once, naming
-  the model and the wait (the fallback model is then asked when one is set).
+  than ``retry_after_max_s`` is not taken and the upstream's error is raised at
+  once, naming the model and the wait (the fallback model is then asked when
+  one is set). Any retry (after a requested wait or a backoff) must also leave,
+  once it has waited, the time an attempt is expected to take to its first item
+  before the call's deadline (the model's fastest recent TTFT, which the
+  gateway's limit keeps per endpoint; 0 before one was measured): a retry that
+  would be cut at once is not started, and the upstream's error is raised
+  naming the wait, that time, the time left and who set the deadline (the
+  gateway's ``total_timeout_s`` or its caller, and where the caller's came
+  from: ``orchestrator.task_time_limit_s.<type>`` or its caller's gRPC
+  deadline), rather than a bare DEADLINE_EXCEEDED a moment later.
   The model's cooldown (:mod:`switchyard.gateway.cooldown`) records the wait,
   so no other call reaches the model before it has passed either.
 - :func:`with_fallback`: each model of the chain in turn (primary, then
@@ -51,11 +59,16 @@ async def sleep_out(seconds: float) -> None:
 
 async def with_retries(
     model: str, once: Callable[[str], Awaitable[T]], config: UpstreamConfig, deadline: float | None = None,
-    sleep: Callable[[float], Awaitable[None]] = sleep_out,
+    sleep: Callable[[float], Awaitable[None]] = sleep_out, *, deadline_set_by: str = "",
+    attempt_s: Callable[[str], float] | None = None,
 ) -> T:
     """``await once(model)``, retried up to ``config.max_retries`` times on retryable GatewayErrors.
 
-    ``deadline``: event-loop time after which no retry is started; ``sleep``: how
+    ``deadline``: event-loop time after which no retry is started; ``deadline_set_by``: who set it, named by a
+    refusal (``model_gateway.total_timeout_s = 60``, ``its caller, from orchestrator.task_time_limit_s.chat =
+    600``; "" names no one); ``attempt_s``: seconds an attempt of a model is expected to take to its first item
+    (the pool's :meth:`~switchyard.gateway.pool.EndpointPool.expected_ttft_s`; None: 0), which a retry must leave
+    before the deadline after its wait; ``sleep``: how
     to wait between attempts (tests record the waits). The first attempt runs before any
     retry machinery is built: most calls succeed there, and building tenacity's retrying
     object and its attempt chain for each call cost the dispatcher 0.1-0.5 ms of CPU per call;
@@ -63,9 +76,9 @@ async def with_retries(
 
     Raises:
         GatewayError: the last attempt's error, or the first non-retryable one,
-            or the one whose Retry-After is longer than ``retry_after_max_s`` or
-            would outlast the deadline (its status kept: RESOURCE_EXHAUSTED for a
-            429, UNAVAILABLE for a 503). Where the first attempt failed otherwise, its error is noted in the
+            or the one whose Retry-After is longer than ``retry_after_max_s``, or
+            whose wait would not leave ``attempt_s`` before the deadline (its status kept:
+            RESOURCE_EXHAUSTED for a 429, UNAVAILABLE for a 503). Where the first attempt failed otherwise, its error is noted in the
             message: a server whose first failure broke it (``transformers serve``'s batching worker, killed by
             a request past its KV cache, then answers every call 503 "CB worker is dead") had its real cause
             hidden behind the retries' 503.
@@ -96,13 +109,19 @@ async def with_retries(
             seconds = max(seconds, asked)
         if deadline is not None and isinstance(exc, GatewayError):
             left = deadline - asyncio.get_running_loop().time()
-            if seconds >= left:
+            needed = attempt_s(model) if attempt_s is not None else 0.0
+            if seconds + needed >= left:
                 what = f"asked to wait {asked:.1f} s" if asked is not None and asked >= seconds else \
                     f"would wait {seconds:.2f} s before a retry"
-                raise exc.with_note(
-                    f"not retried: model {model!r} {what}, longer than the {max(left, 0.0):.1f} s left before "
-                    "the call's deadline (it would outlast the call's deadline)"
-                )
+                whose = f" (set by {deadline_set_by})" if deadline_set_by else ""
+                if seconds >= left:
+                    why = f"longer than the {max(left, 0.0):.1f} s left before the call's deadline{whose}"
+                else:  # its wait ends before the deadline, too late for an attempt to reach a first token
+                    why = (f"leaving {left - seconds:.2f} s of the {left:.2f} s left before the call's "
+                           f"deadline{whose}, less than the {needed:.2f} s an attempt takes to its first token "
+                           "(the model server's fastest recent time to first token)")
+                raise exc.with_note(f"not retried: model {model!r} {what}, {why} (it would outlast the call's "
+                                    "deadline)")
         return seconds
 
     def before_sleep(state: RetryCallState) -> None:
@@ -141,12 +160,14 @@ async def with_fallback(
     *,
     deadline: float,
     on_deadline: Callable[[str], GatewayError],
+    deadline_set_by: str = "",
+    attempt_s: Callable[[str], float] | None = None,
 ) -> tuple[T, str]:
     """Try each model of ``chain`` (with retries) until one succeeds; returns (result, model).
 
     ``deadline`` is an event-loop time bounding all attempts; when it passes,
     ``on_deadline(model)`` is the error, and no later model of the chain is tried (none is sent a request
-    for a call whose deadline has passed).
+    for a call whose deadline has passed). ``deadline_set_by`` and ``attempt_s``: as :func:`with_retries`'s.
 
     Raises:
         GatewayError: the primary's error (with the fallback's appended) when
@@ -156,7 +177,8 @@ async def with_fallback(
     for position, model in enumerate(chain):
         try:
             async with asyncio.timeout_at(deadline):
-                result = await with_retries(model, once, config, deadline)
+                result = await with_retries(model, once, config, deadline, deadline_set_by=deadline_set_by,
+                                            attempt_s=attempt_s)
         except TimeoutError:
             error = on_deadline(model)
         except GatewayError as exc:

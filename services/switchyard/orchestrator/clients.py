@@ -325,6 +325,7 @@ class InferenceClient:
             # 0 on the wire is "not given": a task already at its deadline sends the least time left there is
             task_time_left_s=max(budget.time_left_s, sys.float_info.min) if budget is not None else 0.0,
             expected_remaining_work_s=budget.remaining_after_s if budget is not None else 0.0,
+            deadline_source=budget.deadline_source if budget is not None else "",
             prefill_only=prefill_only,
             no_early_refusal=self.no_early_refusal,
             early_refusal_margin_s=self.early_refusal_margin_s,

@@ -181,6 +181,9 @@ class Budget:
     """Expected time of the model step about to start."""
     remaining_after_s: float
     """Expected work after it (the GenerateRequest's ``expected_remaining_work_s``)."""
+    deadline_source: str = ""
+    """What set the task's deadline (the GenerateRequest's ``deadline_source``: the task type's time limit key,
+    or the caller's gRPC deadline); "" when not known."""
 
     @property
     def slack_s(self) -> float:
@@ -246,7 +249,8 @@ class Program:
         """
         budget = Budget(max(0.0, deadline_s - time.monotonic()),
                         0.0 if prefill else self.steps.mean(task_type, "model", max_tokens),
-                        self.remaining_after(task_type, model_steps_done, prefill=prefill, max_tokens=max_tokens))
+                        self.remaining_after(task_type, model_steps_done, prefill=prefill, max_tokens=max_tokens),
+                        deadline_source)
         config = self.config
         if config.refuse_early and budget.slack_s < -config.refuse_early_margin_s:
             TASKS_REFUSED_EARLY.labels(bounded(task_type, TASK_TYPES)).inc()

@@ -111,6 +111,7 @@ def chat_request(req: Request) -> events.ChatRequest:
         tenant_id=req.tenant_id,
         request_id=req.request_id,
         timeout_s=None if req.deadline is None else max(0.0, req.deadline - time.monotonic()),
+        deadline_source=req.deadline_source,
         affinity_key=req.agent_key,
         on_sent=lambda url, model: req.sent_upstream(upstream_words(url, model)),
     )
