@@ -245,7 +245,12 @@ async def test_the_callers_deadline_bounds_the_upstream_call(clean_proxy_env):
     with start_sim(faults={"*": Fault(slow_ms=3000)}) as server:
         request = ChatRequest(messages=[{"role": "user", "content": "hi"}], timeout_s=0.2)
         err = await stream_error(gateway_config(server.base_url, total_timeout_s=60, fallback_model=""), request)
+        # where the caller's deadline came from, as it names it (the orchestrator: its task's time limit)
+        sourced = ChatRequest(messages=[{"role": "user", "content": "hi"}], timeout_s=0.2,
+                              deadline_source="orchestrator.task_time_limit_s.chat = 0.2")
+        named = await stream_error(gateway_config(server.base_url, total_timeout_s=60, fallback_model=""), sourced)
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and "the caller's deadline (0.2s left)" in str(err)
+    assert "the caller's deadline (0.2s left, from orchestrator.task_time_limit_s.chat = 0.2)" in str(named)
 
 
 @pytest.mark.parametrize("budget", ["callers", "total"])

@@ -1184,7 +1184,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 await self.tasks.request_cancel(current)
                 asked = current.owner
         waited = time.monotonic() - started
-        why = (f"has not ended it within {waited:.3g} s, the call's deadline" if by_caller else
+        why = (f"has not ended it within {waited:.3g} s, all that this CancelTask's gRPC deadline (its caller's) "
+               "left" if by_caller else
                f"has neither ended it nor lost its lease within {waited:.3g} s "
                f"(orchestrator.task_store.lease_s = {store.lease_s:g})")
         raise SwitchyardError(
