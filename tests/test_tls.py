@@ -437,3 +437,59 @@ def test_switchyard_up_names_a_tls_failure_of_its_health_checks_at_once(named_pk
     assert "health check at 127.0.0.1:" in done.stderr and "failed TLS" in done.stderr, done.stderr[-3000:]
     assert "dialled name '127.0.0.1'" in done.stderr and "DNS:localhost" in done.stderr, done.stderr[-3000:]
     assert "--ready-timeout" not in done.stderr.split("failed TLS", 1)[1], done.stderr[-3000:]
+
+
+async def test_the_try_line_of_switchyard_up_runs_as_printed_against_a_stack_with_tls_and_tokens(
+        pki, tmp_path, monkeypatch, capsys):
+    """`switchyard up` printed `Try: switchyard run "..."` whatever the stack: with TLS from SWITCHYARD_TLS_DIR
+    and bearer tokens on, that command, run in another shell, sent plain text and no token. The line carries
+    the TLS variables, and a --token-file holding a token that may call RunTask (never the token itself)."""
+    import shlex
+
+    from switchyard import client
+    from switchyard.common.config import load_config
+    from switchyard.launcher import try_run_command
+    from switchyard.orchestrator.service import OrchestratorService
+
+    secret = tmp_path / "tls"
+    secret.mkdir()
+    for source, name in (("cert.pem", "tls.crt"), ("key.pem", "tls.key"), ("ca.pem", "ca.crt")):
+        shutil.copy(pki / source, secret / name)
+    monkeypatch.setenv("SWITCHYARD_TLS_DIR", str(secret))
+    monkeypatch.setenv("SWITCHYARD_AUTH_TOKENS", "status-only agent.AgentService/GetTaskStatus,runner-token")
+    monkeypatch.delenv("SWITCHYARD_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("SWITCHYARD_CONFIG_DIR", raising=False)
+    async with running([Downstream()], tls(pki)) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        cfg = load_config("config", service="orchestrator").with_overrides(**{
+            "orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
+            "orchestrator.cpu_executor": "loop", "orchestrator.auth.enabled": True})
+        assert cfg.server.tls.enabled
+        async with running([OrchestratorService(cfg)], cfg.server) as orchestrator:
+            private = tmp_path / "private"
+            private.mkdir(mode=0o700)
+            printed = try_run_command(cfg, None, f"127.0.0.1:{orchestrator.port}", private)
+            assert "runner-token" not in printed and "status-only" not in printed, printed
+            words = shlex.split(printed)
+            run = words.index("run")
+            variables = dict(w.split("=", 1) for w in words[:run - 1])
+            assert variables == {"SWITCHYARD_TLS_DIR": str(secret)}, printed
+            argv = words[run + 1:]
+            assert (private / "run-token").read_text().strip() == "runner-token"
+            assert (private / "run-token").stat().st_mode & 0o077 == 0  # this user's alone
+            outside = tmp_path / "elsewhere"  # another shell: none of this one's variables, no config/ here
+            outside.mkdir()
+            monkeypatch.chdir(outside)
+            monkeypatch.delenv("SWITCHYARD_TLS_DIR")
+            monkeypatch.delenv("SWITCHYARD_AUTH_TOKENS")
+            bare = ["--addr", f"127.0.0.1:{orchestrator.port}", argv[-1]]  # the line as it was printed before
+            assert await asyncio.to_thread(client.main, bare) != 0
+            capsys.readouterr()
+            for name, value in variables.items():
+                monkeypatch.setenv(name, value)
+            at = argv.index("--token-file")
+            assert await asyncio.to_thread(client.main, argv[:at] + argv[at + 2:]) != 0  # TLS, but no token
+            assert "UNAUTHENTICATED" in capsys.readouterr().err
+            assert await asyncio.to_thread(client.main, argv) == 0
+            out = capsys.readouterr()
+            assert "error" not in out.err, out.err

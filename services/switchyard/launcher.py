@@ -134,6 +134,52 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+RUN_TOKEN_FILE = "run-token"
+"""The file, in the stack's private folder, holding the token its "Try:" line's ``switchyard run`` sends."""
+_CLIENT_TLS_VARIABLES = (envs.SWITCHYARD_TLS_DIR, envs.SWITCHYARD_TLS_SERVER_NAME, envs.SWITCHYARD_TLS_CLIENT_AUTH)
+
+
+def try_run_command(config: SwitchyardConfig, config_dir: str | None, address: str | None, private: Path) -> str:
+    """The ``switchyard run`` that the "Try:" line prints, runnable as printed from this folder in another shell:
+    the TLS variables set in this environment (``SWITCHYARD_TLS_DIR``, ``SWITCHYARD_TLS_SERVER_NAME``,
+    ``SWITCHYARD_TLS_CLIENT_AUTH``) before it when ``server.tls`` is on; ``--config-dir`` naming the folder this
+    stack read when it is not the default (``--config-dir``, ``SWITCHYARD_CONFIG_DIR``: run reads ``server.tls``
+    and the orchestrator's port from it); ``--addr address`` when given (None: the config's); and with
+    ``orchestrator.auth`` on, ``--token-file`` naming :data:`RUN_TOKEN_FILE` in ``private`` (a folder only this
+    user reads, removed with the stack; the file is written here, mode 0600) holding the first of its tokens that
+    may call RunTask, never the token itself: a stack with TLS or tokens answered the bare command's call with
+    UNAVAILABLE or UNAUTHENTICATED. Where no token may call RunTask (or none can be read), the line says what to
+    add instead."""
+    import shlex
+
+    from switchyard.common.auth import AuthConfigError, BearerTokens
+
+    words: list[str] = []
+    if config.server.tls.enabled:
+        words += [f"{v.name}={shlex.quote(value)}" for v in _CLIENT_TLS_VARIABLES if (value := envs.raw_value(v.name))]
+    words += [shlex.quote(_cli_command()), "run"]
+    folder = config_dir or envs.raw_value(envs.SWITCHYARD_CONFIG_DIR.name)
+    if folder:
+        words += ["--config-dir", shlex.quote(folder)]
+    if address is not None:
+        words += ["--addr", address]
+    note = ""
+    if config.orchestrator.auth.enabled:
+        try:
+            token = BearerTokens(config.orchestrator.auth).token_for("agent.AgentService/RunTask")
+        except AuthConfigError:
+            token = None
+        if token is None:
+            note = "   (add --token-file FILE: a token of orchestrator.auth that may call RunTask)"
+        else:
+            path = private / RUN_TOKEN_FILE
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "w", encoding="utf-8") as out:
+                out.write(token + "\n")
+            words += ["--token-file", shlex.quote(str(path))]
+    return " ".join(words) + ' "How does the with statement work?"' + note
+
+
 def _cli_command() -> str:
     """How to call this ``switchyard`` from the current folder: ``switchyard`` where the shell finds this
     one on PATH, else its path (``.venv/bin/switchyard`` after ``make run``, which does not activate the
@@ -489,9 +535,10 @@ def main(argv: list[str]) -> int:
             lines.append(f"  {'http':<13} {'https' if config.server.tls.enabled else 'http'}://{host}:{orchestrator.http_port}"
                          "  the orchestrator's HTTP face (/api/v1/agent/submit, /openapi.json)")
         orch_port = orchestrator.port
-        # `switchyard run` dials server.host:orchestrator.port of the config it reads (this one, by default)
-        extra = "" if orch_port == config.orchestrator.port else f" --addr {host}:{orch_port}"
-        lines.append(f'Try: {_cli_command()} run{extra} "How does the with statement work?"   (Ctrl-C stops all)')
+        # `switchyard run` dials server.host:orchestrator.port of the config it reads (this one: --config-dir)
+        address = None if orch_port == config.orchestrator.port else f"{host}:{orch_port}"
+        lines.append(f"Try: {try_run_command(config, args.config_dir, address, Path(port_files.name))}"
+                     "   (Ctrl-C stops all)")
         print("\n".join(lines), flush=True)
         _write_up_file(endpoints_file, host, services)
         reported: set[str] = set()

@@ -141,6 +141,11 @@ class BearerTokens:
     def __len__(self) -> int:
         return len(self._tokens)
 
+    def token_for(self, method: str) -> str | None:
+        """The first known token that may call ``method`` (``agent.AgentService/RunTask``); None when none may
+        (exempt methods need none: None too)."""
+        return next((t.secret.decode() for t in self._tokens if t.allows(method)), None)
+
     def check(self, method: str, authorization: str | Sequence[str] | None) -> tuple[grpc.StatusCode, str] | None:
         """None when ``authorization`` (``Bearer <token>``, None when absent; or every value the call carried,
         of which two different ones are refused as malformed: which one counts is not a proxy's order to
