@@ -91,6 +91,7 @@ from switchyard.common.untrusted import duplicate_key, shown
 from switchyard.orchestrator.http_models import (CORS_REQUEST_HEADERS, EVENT_STREAM, EXPECTED, INT32_MAX, INT32_MIN,
                                                   PROBE_PATHS, TaskRequest, describe_error, message_dict, openapi, state_name,
                                                   status_json)
+from switchyard.orchestrator.https_listener import HttpsSite
 from switchyard.orchestrator.metrics import CLIENT_WRITE_TIMEOUTS
 from switchyard.orchestrator.validation import AGENT_ID_HEADER, parse_priority
 
@@ -682,8 +683,9 @@ class HttpFace(Drains, HealthOwner):
                                shutdown_timeout=self.config.server.shutdown_grace_s, max_field_size=MAX_FIELD_BYTES,
                                max_line_size=MAX_FIELD_BYTES)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, host, self.port, ssl_context=tls_context(self.config.server.tls),
-                                 reuse_port=False)
+        context = tls_context(self.config.server.tls)  # over TLS, plain HTTP is answered 400 (https_listener)
+        site = web.TCPSite if context is None else HttpsSite
+        self._site = site(self._runner, host, self.port, ssl_context=context, reuse_port=False)
         try:
             await self._site.start()
         except OSError as exc:
