@@ -636,7 +636,8 @@ async def test_the_orchestrators_refusal_settings_hold_at_the_fair_dispatcher_to
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(stub, task_id="late", payload="hi", task_type="chat", max_tokens=8, timeout=60)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "cannot meet its task's deadline" in err.value.details()
+            # whose deadline: the caller's (60 s), below the task type's time limit
+            assert "cannot meet its task's deadline (the caller's gRPC deadline)" in err.value.details()
         else:
             events = await collect(stub, task_id="late", payload="hi", task_type="chat", max_tokens=8, timeout=60)
             assert events[-1].HasField("final")

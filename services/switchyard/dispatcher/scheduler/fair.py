@@ -174,7 +174,7 @@ class FairScheduler(PriorityScheduler):
         if left is not None and not req.no_early_refusal:
             try:
                 slack_rule.check(req.request_id, left, req.expected_remaining_work_s, self.expected_service_s(req),
-                                 req.early_refusal_margin_s)
+                                 req.early_refusal_margin_s, req.deadline_source)
             except slack_rule.CannotMeetDeadline:
                 self.counters.refused_early[req.priority.label] += 1  # switchyard_requests_refused_early_total
                 if req.resume and req.agent_key:  # its task ends here: nothing is kept for its next turn

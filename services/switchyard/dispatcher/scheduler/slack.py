@@ -72,21 +72,24 @@ CANNOT_MEET_DEADLINE = "cannot meet its task's deadline"
 class CannotMeetDeadline(RequestDeadlineExceeded):
     """Refused early (DEADLINE_EXCEEDED): the request's task cannot meet its deadline (negative slack).
 
-    The message names the request, its slack and the three terms it came from.
+    The message names the request, what set its task's deadline (``deadline_source``, where its orchestrator
+    said), its slack and the three terms it came from.
     """
 
     def __init__(self, request_id: str, slack: float, time_left_s: float, remaining_work_s: float,
-                 service_s: float) -> None:
+                 service_s: float, deadline_source: str = "") -> None:
         super().__init__(request_id, time_left_s, "in the dispatcher's queue")
-        self.args = (f"request {request_id or '(no id)'} {CANNOT_MEET_DEADLINE}: slack {slack:.3g} s "
+        source = f" ({deadline_source})" if deadline_source else ""
+        self.args = (f"request {request_id or '(no id)'} {CANNOT_MEET_DEADLINE}{source}: slack {slack:.3g} s "
                      f"(time left {time_left_s:.3g} s - expected remaining work {remaining_work_s:.3g} s - "
                      f"expected service {service_s:.3g} s); refused before it was served",)
         self.slack_s = slack
 
 
 def check(request_id: str, time_left_s: float | None, expected_remaining_work_s: float = 0.0,
-          expected_service_s: float = 0.0, margin_s: float = 0.0) -> float:
-    """The request's slack; raises when it cannot make its deadline (short by more than ``margin_s``).
+          expected_service_s: float = 0.0, margin_s: float = 0.0, deadline_source: str = "") -> float:
+    """The request's slack; raises when it cannot make its deadline (short by more than ``margin_s``), naming
+    ``deadline_source`` (what set the task's deadline; "": not known).
 
     Raises:
         CannotMeetDeadline: ``cannot_make_it(slack, margin_s)``.
@@ -94,5 +97,5 @@ def check(request_id: str, time_left_s: float | None, expected_remaining_work_s:
     slack = slack_s(time_left_s, expected_remaining_work_s, expected_service_s)
     if cannot_make_it(slack, margin_s):
         raise CannotMeetDeadline(request_id, slack, float(time_left_s or 0.0), max(0.0, expected_remaining_work_s),
-                                 max(0.0, expected_service_s))
+                                 max(0.0, expected_service_s), deadline_source)
     return slack
