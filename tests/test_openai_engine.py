@@ -213,9 +213,9 @@ async def test_dispatcher_generate_carries_the_upstream_status(clean_proxy_env):
 
 
 async def run_task(base_url: str, request: agent_pb2.RunTaskRequest, index_dir=None, into: list | None = None,
-                   metadata: tuple = (), **gateway: object) -> list:
+                   metadata: tuple = (), orchestrator: dict | None = None, **gateway: object) -> list:
     """The task's events; ``into``, where given, holds those that came before an error the call raised;
-    ``metadata``: the RunTask call's (x-tenant-id, say)."""
+    ``metadata``: the RunTask call's (x-tenant-id, say); ``orchestrator``: overrides of its config."""
     from switchyard.api import agent_pb2_grpc
     from switchyard.common.server import running
     from switchyard.dispatcher.service import DispatcherService
@@ -227,7 +227,8 @@ async def run_task(base_url: str, request: agent_pb2.RunTaskRequest, index_dir=N
         disp = await stack.enter_async_context(running([DispatcherService(cfg, engine=engine_for(base_url, **gateway))],
                                                        server))
         # CPU work on the event loop: a spawn pool costs seconds per stack, and no test here is of the executor
-        overrides = {"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}", "orchestrator.cpu_executor": "loop"}
+        overrides = {"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}", "orchestrator.cpu_executor": "loop",
+                     **(orchestrator or {})}
         if index_dir is not None:
             from switchyard.retrieval.service import RetrievalService
 
@@ -300,6 +301,22 @@ async def test_run_task_upstream_failure_reaches_the_caller_as_its_status(clean_
                 payload="hi", task_type="chat", model="claude-sonnet-4.5"), fallback_model="")
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     assert "claude-sonnet-4-5" in caught.value.details()
+
+
+async def test_a_task_whose_model_asks_for_a_wait_past_its_time_limit_fails_naming_that_limit(clean_proxy_env):
+    """A model server answering 429 Retry-After 10 to a task with 3 s of time limit: the task failed with
+    "... longer than the 2.9 s left before the call's deadline", which did not say that the task type's time limit
+    set that deadline (the task's own out-of-time errors name it). The refusal names it now."""
+    limits = {"chat": 3, "rag_answer": 3, "react_loop": 3}
+    with start_sim(faults={"*": Fault(status=429, retry_after=10)}) as server:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await run_task(server.base_url, agent_pb2.RunTaskRequest(payload="hi", task_type="chat"),
+                           orchestrator={"orchestrator.task_time_limit_s": limits}, fallback_model="",
+                           retry_after_max_s=30)
+    details = caught.value.details()
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert "asked to wait 10.0 s" in details, details
+    assert "before the call's deadline (set by its caller, from orchestrator.task_time_limit_s.chat = 3)" in details
 
 
 @pytest.mark.slow
