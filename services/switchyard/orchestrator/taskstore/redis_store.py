@@ -75,8 +75,9 @@ end
 return {}
 """
 
-# The agent's set (KEYS[agent], or '') expires ARGV[ttl] ms from now unless one of its tasks is unfinished
-# (in KEYS[unfinished]): its tasks' records must outlive it.
+# expire_agent_set(agent, unfinished, ttl): the agent's set (its key, or '': none) gets a TTL of ttl ms unless one of
+# its tasks is still in the unfinished set: while one is, its agent's status lookup needs the set (no TTL: never
+# evicted); once none is, it may go as its finished tasks' records may (it outlives them: ttl is 2 * retention).
 _AGENT_SET_EXPIRY = """
 local function expire_agent_set(agent, unfinished, ttl)
   if agent == '' then return end
