@@ -629,8 +629,11 @@ async def test_leases_of_a_former_build_are_read_and_run_out_leases_are_purged(r
         await client.hset("switchyard:orchestrators", "gone:2:0123abcd",
                           json.dumps({"expires_at": time.time() - 1, "host": "gone", "pid": 2}))
         assert await a._owner_dead("gone:2:0123abcd")
+        await a.request_cancel(TaskRecord("t-of-gone", "fp", agent_pb2.RUNNING, "gone:2:0123abcd"))
+        assert await client.pttl("switchyard:cancels:gone:2:0123abcd") == -1  # its lease is in the hash still
         await a._purge(time.time())
         assert set(await client.hkeys("switchyard:orchestrators")) == {a.owner.encode()}  # the live one stays
+        assert await client.pttl("switchyard:cancels:gone:2:0123abcd") > 0  # its cancel requests go in time too
     finally:
         await client.aclose()
         await a.close()
