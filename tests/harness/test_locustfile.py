@@ -66,19 +66,28 @@ async def test_the_locustfile_sends_the_bearer_token_of_switchyard_auth_token_or
     assert int(file_stats["Aggregated"]["Failure Count"]) == 0, file_stats
 
 
-def test_the_runs_csv_series_and_the_watch_end_with_the_runs_last_requests(tmp_path):
+@pytest.fixture(scope="module")
+def refused_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str], dict[str, dict[str, str]]]:
+    """One run against a port where nothing listens (every request fails), its folder, result and stats: the
+    tests below only read its files, so they share it (a run is 3 s of locust plus its start)."""
+    out = tmp_path_factory.mktemp("refused-run")
+    run, stats = run_locust("http://127.0.0.1:1", out, dict(os.environ), "--json-file", str(out / "run"))
+    return out, run, stats
+
+
+def test_the_runs_csv_series_and_the_watch_end_with_the_runs_last_requests(refused_run):
     """Every series of a run ends with the run's total, as the JSON written at the exit: locust's --csv files, and
     the watch's last row."""
-    run, stats = run_locust("http://127.0.0.1:1", tmp_path, dict(os.environ), "--json-file", str(tmp_path / "run"))
+    folder, run, stats = refused_run
     assert run.returncode in (0, 1), run.stdout + run.stderr  # 1: every request failed (nothing listens there)
-    with open(tmp_path / "run.json") as f:
+    with open(folder / "run.json") as f:
         total = sum(entry["num_requests"] for entry in json.load(f))
     assert total > 0
     assert int(stats["Aggregated"]["Request Count"]) == total, (stats["Aggregated"], total)
-    with open(tmp_path / "run_stats_history.csv", newline="") as f:
+    with open(folder / "run_stats_history.csv", newline="") as f:
         history = [row for row in csv.DictReader(f) if row["Name"] == "Aggregated"]
     assert int(history[-1]["Total Request Count"]) == total, (history[-3:], total)
-    with open(tmp_path / "watch.csv", newline="") as f:
+    with open(folder / "watch.csv", newline="") as f:
         watched = list(csv.DictReader(f))
     assert int(watched[-1]["requests"]) == total, (watched[-1], total)
 
@@ -256,11 +265,11 @@ def test_the_watch_names_a_metrics_address_where_grpc_answers_and_goes_on():
     assert run.stdout.strip() == f"http://127.0.0.1:{port}/metrics: {NOT_HTTP1}", run.stdout + run.stderr
 
 
-def test_a_stream_that_got_no_answer_names_why_not_status_0(tmp_path):
+def test_a_stream_that_got_no_answer_names_why_not_status_0(refused_run):
     """A stack stopped during a run: each RunTask stream's failure read '0: ' (the status of no answer and an
     empty body), the submits' beside it 'ConnectionRefusedError(111, ...)'."""
-    run, _stats = run_locust("http://127.0.0.1:1", tmp_path, dict(os.environ))
-    with open(tmp_path / "run_failures.csv", newline="") as f:
+    folder, _run, _stats = refused_run
+    with open(folder / "run_failures.csv", newline="") as f:
         failures = {row["Name"]: row["Error"] for row in csv.DictReader(f)}
     assert "/api/v1/agent/run (SSE)" in failures and "/api/v1/agent/submit" in failures, failures
     assert "Connection refused" in failures["/api/v1/agent/run (SSE)"], failures
