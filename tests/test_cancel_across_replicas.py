@@ -179,14 +179,23 @@ async def test_a_cancel_taken_while_its_task_is_being_submitted_is_not_lost(aske
     settings = {**store_settings("sqlite", tmp_path, None), "orchestrator.task_store.lease_s": 2.0}
     async with two_replicas(settings) as (holder, other, down, holder_service):
         create, created = holder_service.tasks.create, asyncio.Event()
+        take_cancels, taken = holder_service.tasks.take_cancels, asyncio.Event()
 
         async def create_then_wait(*args, **kwargs):  # the holder's SubmitTask, stopped between its two steps
             answer = await create(*args, **kwargs)
             created.set()
-            await asyncio.sleep(0.8)  # a few polls take the request meanwhile
+            # the holder's poll took the request meanwhile (a fixed 0.8 s stood for it); 30 s: a bound, not a timing
+            await asyncio.wait_for(taken.wait(), 30)
             return answer
 
+        async def take_cancels_seen():
+            task_ids = await take_cancels()
+            if "new-1" in task_ids:
+                taken.set()
+            return task_ids
+
         holder_service.tasks.create = create_then_wait
+        holder_service.tasks.take_cancels = take_cancels_seen
         submit = asyncio.ensure_future(holder.SubmitTask(
             agent_pb2.RunTaskRequest(task_id="new-1", payload="hello", task_type="chat")))
         await created.wait()
