@@ -4,7 +4,8 @@ Modules, in the order a task meets them (each module's docstring says what it ow
 
 - :mod:`.service`: ``OrchestratorService`` (RunTask, SubmitTask, GetTaskStatus, CancelTask): validates, runs
   the task's workflow inside its deadline, streams its events; :mod:`.http_face`: the same calls as JSON and
-  Server-Sent Events, through the servicer (its shapes and OpenAPI document: :mod:`.http_models`).
+  Server-Sent Events, through the servicer (its shapes and OpenAPI document: :mod:`.http_models`; its listener
+  over TLS, which answers plain HTTP 400: :mod:`.https_listener`).
 - :mod:`.validation`: a request checked at the edge, before ``accepted`` (its fields against ``limits``, the
   x-agent-id and x-priority headers, the tenant).
 - :mod:`.submitted`: the SubmitTask tasks one orchestrator holds, its backlog; :mod:`.taskstore`: their
