@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import pytest
@@ -12,7 +13,7 @@ from redis_fixtures import redis_db, redis_server  # noqa: F401
 from switchyard.api import agent_pb2
 from switchyard.common.config import TaskStoreConfig
 from switchyard.orchestrator.taskstore import fingerprint
-from switchyard.orchestrator.taskstore.base import TaskRecord
+from switchyard.orchestrator.taskstore.base import Lease, TaskRecord
 from switchyard.orchestrator.taskstore.redis_store import RedisTaskStore
 from switchyard.orchestrator.taskstore.sqlite_store import SqliteTaskStore
 
@@ -636,6 +637,42 @@ async def test_leases_of_a_former_build_are_read_and_run_out_leases_are_purged(r
         assert await client.pttl("switchyard:cancels:gone:2:0123abcd") > 0  # its cancel requests go in time too
     finally:
         await client.aclose()
+        await a.close()
+
+
+async def test_a_lease_renewed_while_the_purge_runs_is_kept(redis_db):
+    """The purge reads the leases, then removes those that ran out: a lease renewed between the two (its
+    orchestrator back from a stall or a store outage) was removed all the same, and the live orchestrator read as
+    dead (no lease) by every replica until its next renewal, its running tasks failed as orphans meanwhile; its
+    cancel set was given a TTL as well. The removal checks the lease it removes."""
+    a = RedisTaskStore(TaskStoreConfig(), redis_db.dram_config)
+    b = RedisTaskStore(TaskStoreConfig(), redis_db.dram_config)
+    await a.open()
+    await b.open()
+    client = redis_db.client()
+    try:
+        await b._renew(Lease(time.time() - 1, b.host, os.getpid()))  # b's lease ran out (a stall)
+        await a.request_cancel(TaskRecord("t-of-b", "fp", agent_pb2.RUNNING, b.owner))
+        read = a.redis.hgetall
+
+        async def read_then_b_renews(key):  # b renews between the purge's read and its removal
+            leases = await read(key)
+            await b._renew(b._new_lease())
+            return leases
+
+        a.redis.hgetall = read_then_b_renews
+        await a._purge(time.time())
+        assert await client.hexists("switchyard:orchestrators", b.owner)
+        assert not await a._owner_dead(b.owner)
+        assert await client.pttl(f"switchyard:cancels:{b.owner}") == -1  # its cancel requests kept too
+        a.redis.hgetall = read
+        await b._renew(Lease(time.time() - 1, b.host, os.getpid()))  # ran out, and not renewed: removed
+        await a._purge(time.time())
+        assert not await client.hexists("switchyard:orchestrators", b.owner)
+        assert await client.pttl(f"switchyard:cancels:{b.owner}") > 0
+    finally:
+        await client.aclose()
+        await b.close()
         await a.close()
 
 

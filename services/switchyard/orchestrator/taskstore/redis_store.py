@@ -118,6 +118,20 @@ expire_agent_set(KEYS[3], KEYS[2], 2 * tonumber(ARGV[3]))
 return 1
 """
 
+# KEYS: the leases hash, the owner's cancel set; ARGV: owner, now (unix seconds), ttl ms. The owner's lease is removed,
+# and its cancel set given ttl, only if the lease read in the hash now ran out before ``now``: the purge read the
+# leases earlier, and a renewal landing since (a live owner back from a stall or an outage) must stay.
+_PURGE_LEASE = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local ok, lease = pcall(cjson.decode, raw)
+local expires_at = ok and type(lease) == 'table' and tonumber(lease['expires_at']) or nil
+if expires_at == nil or expires_at >= tonumber(ARGV[2]) then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
 # KEYS: the owner's cancel set, the leases hash; ARGV: task_id, owner, ttl ms
 _REQUEST_CANCEL = """
 redis.call('SADD', KEYS[1], ARGV[1])
@@ -186,6 +200,7 @@ class RedisTaskStore(TaskStore):
         self._delete_script = self.redis.register_script(_DELETE)
         self._reassign_script = self.redis.register_script(_REASSIGN)
         self._request_cancel_script = self.redis.register_script(_REQUEST_CANCEL)
+        self._purge_lease_script = self.redis.register_script(_PURGE_LEASE)
         self._unfinished_key = f"{self.prefix}tasks:unfinished"
         self._finished_key = f"{self.prefix}tasks:finished"
         self._agent_prefix = f"{self.prefix}agent:"
@@ -353,10 +368,9 @@ class RedisTaskStore(TaskStore):
         # leases that ran out (their orchestrators stopped without releasing them): read as none already
         leases = await self._do(self.redis.hgetall(self._leases_key))
         expired = [owner for owner, raw in leases.items() if _read_lease(raw).expires_at < now]
-        if expired:  # their cancel sets expire as a leaseless owner's (a live one's renewal keeps its own)
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hdel(self._leases_key, *expired)
-                for owner in expired:
-                    pipe.pexpire(self._cancels_key(owner.decode()), self._stale_cancels_ms)
-                await self._do(pipe.execute())
+        for owner in expired:  # its cancel set expires as a leaseless owner's (a live one's renewal keeps its own)
+            # checked again as it is removed: a renewal since the read above (which an HDEL of what was read
+            # removed) left a live orchestrator without a lease, read dead by every replica until its next renewal
+            await self._do(self._purge_lease_script(keys=[self._leases_key, self._cancels_key(owner.decode())],
+                                                    args=[owner, repr(now), self._stale_cancels_ms]))
         return int(removed)
