@@ -99,7 +99,7 @@ from switchyard.gateway.proxy import client_settings, proxy_for
 from switchyard.gateway.redact import redact, safe_url
 from switchyard.gateway.resilience import with_fallback
 from switchyard.gateway.sse import iter_events, opening, opens_as_events
-from switchyard.gateway.transport import UpstreamTransport
+from switchyard.gateway.transport import UpstreamTransport, get_whole
 from switchyard.gateway.events import ChatRequest, Finished, Reasoning, StreamEvent
 
 log = logging.getLogger(__name__)
@@ -411,13 +411,10 @@ class GatewayClient:
             endpoint = next((e for e in known if e.up), known[0])
         url = f"{endpoint.url}/models"
         try:
-            # the whole answer within read_timeout_s: httpx's timeout bounds each read, so a server sending its list
-            # a byte at a time held the engine's first read for ever (every request waiting its bound on it)
-            async with asyncio.timeout(self.config.read_timeout_s):
-                response = await endpoint.http.get("models", headers=self._headers(token, stream=False))
-        except TimeoutError:
-            raise self._transport_error(httpx.ReadTimeout(f"no whole answer within {self.config.read_timeout_s:g} s"),
-                                        url, key) from None
+            # the whole answer within read_timeout_s: a server sending its list a byte at a time held the engine's
+            # first read for ever (every request waiting its bound on it)
+            response = await get_whole(endpoint.http, "models", self.config.read_timeout_s,
+                                       "model_gateway.read_timeout_s", headers=self._headers(token, stream=False))
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, url, key) from None
         if response.status_code >= 300:  # a redirect too: not followed (error_for_status names where it points)

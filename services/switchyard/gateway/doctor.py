@@ -76,6 +76,7 @@ from switchyard.gateway.events import ChatRequest, Finished
 from switchyard.gateway.keys import ApiKey, load_api_key
 from switchyard.gateway.proxy import ProxyRoute, client_settings, configured_proxies, no_proxy, proxy_for
 from switchyard.gateway.redact import redact
+from switchyard.gateway.transport import get_whole
 from switchyard.common.cli_text import parser_for
 from switchyard.common.untrusted import terminal_safe
 
@@ -150,11 +151,8 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
     via = f" via {route.variable}={route.address}" if route else ""
     try:
         async with httpx.AsyncClient(timeout=timeout_s, **client_settings(url)) as http:
-            try:  # the whole answer: httpx's timeout bounds each read; a server sending a byte at a time hung it
-                async with asyncio.timeout(timeout_s):
-                    response = await http.get(url, headers=headers)
-            except TimeoutError:
-                raise httpx.ReadTimeout(f"no whole answer within {timeout_s:g} s") from None
+            # the whole answer: httpx's timeout bounds each read; a server sending a byte at a time hung it
+            response = await get_whole(http, url, timeout_s, "--timeout", headers=headers)
     except httpx.HTTPError as exc:
         where = f"{url_key}{' in queue.json' if url_key.startswith('model_gateway.') else ''}"
         fix = f"start the model server (e.g. `switchyard serve sim-openai --port <port>`) or correct {where}"

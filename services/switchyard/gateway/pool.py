@@ -67,6 +67,7 @@ from switchyard.gateway.metrics import (
 from switchyard.gateway.picker import REASONS, EndpointPicker, Picked
 from switchyard.gateway.server_load import ServerLoad, parse_server_load
 from switchyard.gateway.servers import ServerFlavour
+from switchyard.gateway.transport import get_whole
 
 log = logging.getLogger(__name__)
 
@@ -376,21 +377,15 @@ class EndpointPool:
         return response.status_code < 500
 
     async def _get_within(self, endpoint: Endpoint, url: str) -> httpx.Response:
-        """``GET url`` of ``endpoint``, its whole answer within ``pool.scrape_timeout_s``. httpx's timeout bounds
-        each read, not the answer: a server that sent its body a byte at a time (a slow-loris, a hung server
-        behind a proxy that keeps the response alive) held a /metrics read or a health check for as long as it
-        went on, so a hung endpoint was never marked down, and its circuit's health checks (one at a time) stopped.
+        """``GET url`` of ``endpoint``, its whole answer within ``pool.scrape_timeout_s`` (:func:`get_whole`): a
+        server sending its body a byte at a time held a /metrics read or a health check for as long as it went on,
+        so a hung endpoint was never marked down, and its circuit's health checks (one at a time) stopped.
 
         Raises:
             httpx.HTTPError: the transport failed; httpx.ReadTimeout when the whole answer did not come in time.
         """
         timeout_s = self.config.pool.scrape_timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await endpoint.http.get(url, timeout=timeout_s)
-        except TimeoutError:
-            raise httpx.ReadTimeout(f"no whole answer within {timeout_s:g} s (model_gateway.pool.scrape_timeout_s)"
-                                    ) from None
+        return await get_whole(endpoint.http, url, timeout_s, "model_gateway.pool.scrape_timeout_s", timeout=timeout_s)
 
     async def _queue_loop(self) -> None:
         """One endpoint: read its server's queue every ``scrape_interval_s`` for its limit, until a read that the

@@ -26,8 +26,9 @@ transport for proxied URLs (:func:`switchyard.gateway.proxy.client_settings`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import aiohttp
 import httpx
@@ -36,6 +37,25 @@ from httpx_aiohttp import AiohttpTransport
 
 MAX_HEADER_BYTES = 65_536
 """Longest status or header line accepted, bytes (aiohttp's default is 8,190)."""
+
+
+async def get_whole(http: httpx.AsyncClient, url: str, timeout_s: float, setting: str = "",
+                    **kwargs: Any) -> httpx.Response:
+    """``GET url`` with ``http`` (``kwargs``: its other arguments), its whole answer within ``timeout_s`` seconds.
+    httpx's timeout bounds each read, not the answer: a server sending its answer a byte at a time (a slow-loris, a
+    hung server behind a proxy that keeps the response alive) held the read for as long as it went on. For the
+    answers read whole: the model list (the client's, doctor's), the pool's ``/metrics`` reads and health checks.
+
+    Raises:
+        httpx.HTTPError: the transport failed; httpx.ReadTimeout, naming ``timeout_s`` and ``setting`` (the key
+            that sets it, "": none named), when the whole answer did not come in time.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await http.get(url, **kwargs)
+    except TimeoutError:
+        named = f" ({setting})" if setting else ""
+        raise httpx.ReadTimeout(f"no whole answer within {timeout_s:g} s{named}") from None
 
 
 @contextlib.contextmanager
