@@ -37,9 +37,11 @@ time has passed every call to it is refused locally with
 :class:`~switchyard.gateway.errors.UpstreamAskedToWait` (the upstream's own
 status, retryable after the time left, fallback allowed), so no request reaches
 the model earlier than it allowed. The local refusal lasts at most
-``cooldown.cooldown_s`` (the longest a failing model is skipped): a longer wait
-(an hourly quota's, or a nonsense 1e20 s) is asked again by one call after it,
-whose answer renews it. :func:`switchyard.gateway.resilience.with_retries`
+``cooldown.cooldown_s`` (the longest a failing model is skipped; also with
+``cooldown.enabled`` off): after it, the calls that come reach the server again
+until an answer asking for a wait renews the hold, so a longer wait (an hourly
+quota's, or a nonsense 1e20 s) is asked again about once per ``cooldown_s``. A
+refused call is told the whole wait's rest, not the hold's. :func:`switchyard.gateway.resilience.with_retries`
 then waits the time left when it is within ``retry_after_max_s`` and the call's
 deadline, or gives up at once (to the fallback model) when it is not; a wait is
 never shortened.
@@ -397,8 +399,8 @@ class Cooldowns:
         asked = exc.retry_after_s
         if asked is None or asked <= 0 or isinstance(exc, UpstreamAskedToWait):
             return
-        # Held locally for at most cooldown.cooldown_s, the longest a model is skipped for its failures: then one
-        # call asks the server again (which answers the wait left, if any). A Retry-After of 1e20 s, or an HTTP date
+        # Held locally for at most cooldown.cooldown_s, the longest a model is skipped for its failures: then calls
+        # reach the server again, the first answer asking for a wait renewing the hold. A Retry-After of 1e20 s, or an HTTP date
         # years ahead, had locked the model out for as long, past any restart of the server that sent it.
         held = min(asked, self.config.cooldown.cooldown_s)
         if now + held <= circuit.not_before:

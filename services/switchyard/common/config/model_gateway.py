@@ -78,7 +78,9 @@ class CooldownConfig(_Strict):
     cooldown_s: float = Field(
         30.0, gt=0, le=3600,
         description="The longest a model is skipped once open, seconds (see first_cooldown_s); then the circuit is "
-        "half-open and admits half_open_probes trial requests (LiteLLM's cooldown time is configured the same way).",
+        "half-open and admits half_open_probes trial requests (LiteLLM's cooldown time is configured the same way). "
+        "Also the longest a wait an upstream asked for (Retry-After) is held locally, with the breaker enabled or "
+        "not: a longer one is asked again after it.",
     )
     half_open_probes: int = Field(
         1, ge=1, le=1000,
