@@ -588,3 +588,25 @@ def test_a_tenants_task_id_that_reads_like_an_address_comes_back_in_its_deadline
         read = edge.status(stored).error
         assert f"task '{task_id}' " in read and "10.0.3.7" not in read, read
         assert f"task '{task_id}' " in edge.text(str(exc), "orchestrator", keep=[task_id])
+
+
+def test_a_tenants_task_id_that_reads_like_an_address_comes_back_in_its_model_calls_deadline_errors():
+    """The dispatcher's deadline errors name the request, ``<task_id>:<turn>``: ``run.2024:12`` (its twelfth turn)
+    and ``crawler.internal:2`` read as addresses, and the task's caller read 'request [address hidden] cannot meet
+    its task's deadline' (RunTask's error, the stored one GetTaskStatus reads). They quote it, and the edge keeps
+    the quoted request ids of the caller's task id; another task's, and an address beside it, are still hidden."""
+    from switchyard.common.errors import RequestDeadlineExceeded
+    from switchyard.dispatcher.scheduler.slack import CannotMeetDeadline
+    edge = EdgeText(show_addresses=False)
+    for task_id, turn in (("run.2024", "12"), ("crawler.internal", "2"), ("crawler.internal", "prefill"),
+                          ("run.2024", "12~1")):
+        request_id = f"{task_id}:{turn}"
+        refused = CannotMeetDeadline(request_id, -1.0, 1.0, 1.5, 0.5, "orchestrator.task_time_limit_s.chat = 5")
+        late = RequestDeadlineExceeded(request_id, 5.0, "waiting for admission at 10.0.3.7:50053")
+        for exc in (refused, late):
+            stored = agent_pb2.TaskStatus(task_id=task_id, error=f"DEADLINE_EXCEEDED: dispatcher: {exc}")
+            read = edge.status(stored).error
+            assert f"request '{request_id}' " in read and "10.0.3.7" not in read, read
+            assert f"request '{request_id}' " in edge.text(str(exc), "dispatcher", keep=[task_id])
+    other = CannotMeetDeadline("vllm.internal:2", -1.0, 1.0, 1.5, 0.5)
+    assert "vllm.internal" not in edge.text(str(other), "dispatcher", keep=["crawler.internal"])

@@ -765,7 +765,7 @@ async def test_a_request_the_fair_dispatcher_refuses_early_is_counted_on_its_met
                         task_time_left_s=1.0, expected_remaining_work_s=5.0)):
                     pass
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "doomed:0 cannot meet its task's deadline" in err.value.details()
+            assert "request 'doomed:0' cannot meet its task's deadline" in err.value.details()
             assert refused("core") == before["core"] + 1
             assert refused("normal") == before["normal"] and refused("batch") == before["batch"]
             chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(

@@ -111,14 +111,22 @@ class TaskRefusedEarly(SwitchyardError):
 
 class RequestDeadlineExceeded(SwitchyardError):
     """A request passed its own deadline (its caller's ``timeout_s`` or gRPC deadline) in the dispatcher
-    (DEADLINE_EXCEEDED); its place and KV are freed."""
+    (DEADLINE_EXCEEDED); its place and KV are freed. Its id is quoted (:func:`request_named`)."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
     def __init__(self, request_id: str, timeout_s: float, where: str) -> None:
-        super().__init__(f"request {request_id or '(no id)'} passed its deadline of {timeout_s:.3g} s {where}; "
+        super().__init__(f"request {request_named(request_id)} passed its deadline of {timeout_s:.3g} s {where}; "
                          "its place and KV cache were freed")
         self.request_id = request_id
+
+
+def request_named(request_id: str) -> str:
+    """A dispatcher request's id as its errors name it: quoted (``untrusted.shown``), as every error quotes a
+    caller's id, or ``(no id)``. An orchestrator's request id is ``<task_id>:<turn>``: unquoted, a task id such as
+    ``run.2024`` made ``run.2024:3`` read as a host and port, hidden from the task's caller as an address; quoted,
+    the edge keeps it (``EdgeText.text``)."""
+    return untrusted.shown(request_id) if request_id else "(no id)"
 
 
 class QueueFullError(SwitchyardError):

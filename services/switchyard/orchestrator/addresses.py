@@ -120,6 +120,13 @@ def without_credentials(url: str) -> str:
         return HIDDEN
 
 
+def _request_ids_of(task_id_quoted: str) -> re.Pattern[str]:
+    """The quoted request ids of a task's model calls (``'<task_id>:<turn>'``, ``:prefill`` for its warm-up, with
+    ``~<n>`` where two calls in flight shared one: the orchestrator's ``InferenceClient`` names them so), given the
+    task id as ``untrusted.shown`` quotes it."""
+    return re.compile(re.escape(task_id_quoted[:-1]) + r":(?:\d+|prefill)(?:~\d+)?" + re.escape(task_id_quoted[-1]))
+
+
 class EdgeText:
     """Rewrites what leaves the edge for a caller (module docstring): internal addresses hidden, unless
     ``show_addresses`` (``orchestrator.show_addresses_to_callers``), when only URLs' credentials are taken out.
@@ -160,10 +167,13 @@ class EdgeText:
         URL :data:`HIDDEN`). ``keep``: the caller's own values the message quotes (its task_id, agent_id, model,
         as ``untrusted.shown`` quotes them), left as they are where quoted so: an id such as ``run.2024:0001`` or
         ``crawler.internal`` reads as an address to the patterns, and the caller needs it back (an unquoted
-        occurrence, such as a downstream address it equals, is still hidden)."""
+        occurrence, such as a downstream address it equals, is still hidden). So are the ids of a kept task id's
+        model calls, ``<task_id>:<turn>`` quoted, which the dispatcher's errors name (``errors.request_named``)."""
         marks: dict[str, str] = {}
         if not self.show_addresses:
-            for value in sorted({quoted(v) for v in keep if v}, key=len, reverse=True):  # a longer one first
+            kept = {quoted(v) for v in keep if v}
+            kept |= {found.group() for v in keep if v for found in _request_ids_of(quoted(v)).finditer(message)}
+            for value in sorted(kept, key=len, reverse=True):  # a longer one first
                 if value in message:
                     mark = f"'\x00{len(marks)}\x00'"  # quoted: no URL runs into it, and no pattern matches it
                     message = message.replace(value, mark)

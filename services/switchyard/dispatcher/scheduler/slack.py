@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 
-from switchyard.common.errors import RequestDeadlineExceeded
+from switchyard.common.errors import RequestDeadlineExceeded, request_named
 
 __all__ = ["NO_DEADLINE", "CannotMeetDeadline", "cannot_make_it", "check", "slack_s"]
 
@@ -80,7 +80,7 @@ class CannotMeetDeadline(RequestDeadlineExceeded):
                  service_s: float, deadline_source: str = "") -> None:
         super().__init__(request_id, time_left_s, "in the dispatcher's queue")
         source = f" ({deadline_source})" if deadline_source else ""
-        self.args = (f"request {request_id or '(no id)'} {CANNOT_MEET_DEADLINE}{source}: slack {slack:.3g} s "
+        self.args = (f"request {request_named(request_id)} {CANNOT_MEET_DEADLINE}{source}: slack {slack:.3g} s "
                      f"(time left {time_left_s:.3g} s - expected remaining work {remaining_work_s:.3g} s - "
                      f"expected service {service_s:.3g} s); refused before it was served",)
         self.slack_s = slack
