@@ -405,101 +405,91 @@ async def test_graceful_stop_lets_an_in_flight_stream_complete() -> None:
 # --------------------------------------------------------------------------- tracing
 
 
-async def test_spans_link_each_batch_to_its_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def traced(monkeypatch: pytest.MonkeyPatch):
+    """``traced(*modules)``: the spans those modules' ``tracer`` makes, in memory (an ``InMemorySpanExporter``, its
+    provider shut down after the test)."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    def trace_modules(*modules: object) -> InMemorySpanExporter:
+        for module in modules:
+            monkeypatch.setattr(module, "tracer", provider.get_tracer(module.__name__))
+        return exporter
+
+    yield trace_modules
+    provider.shutdown()
+
+
+async def test_spans_link_each_batch_to_its_requests(traced) -> None:
     from switchyard.dispatcher import engine_loop, processor
     from switchyard.dispatcher.engines import sim
 
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    for module in (engine_loop, processor, sim):  # the loop makes the batch spans from the scheduler's report
-        monkeypatch.setattr(module, "tracer", provider.get_tracer(module.__name__))
-    try:
-        async for h in serve(DispatcherService(make_config(**{"batching.flush_interval_ms": 50}))):
-            results = await asyncio.gather(*(h.generate(request_id=f"s{i}", max_tokens=4) for i in range(3)))
-        spans = exporter.get_finished_spans()
-        requests = [s for s in spans if s.name == "dispatcher.generate"]
-        assert len(requests) == 3
-        for span, chunks in zip(sorted(requests, key=lambda s: s.start_time), results):
-            assert span.attributes["gen_ai.request.model"] == "sim-7b"
-            assert span.attributes["gen_ai.usage.input_tokens"] == chunks[-1].done.usage.prompt_tokens
-            assert span.attributes["gen_ai.usage.output_tokens"] == 4
-        waits = [s for s in spans if s.name == "dispatcher.queue_wait"]
-        assert {w.parent.span_id for w in waits} == {r.context.span_id for r in requests}
-        batches = [s for s in spans if s.name == "dispatcher.batch"]
-        linked = {link.context.span_id for b in batches for link in b.links}
-        assert linked == {r.context.span_id for r in requests}
-        assert sum(b.attributes["switchyard.batch_size"] for b in batches) == 3
-        assert {b.attributes["switchyard.flush_reason"] for b in batches} <= {"idle", "step", "size", "interval"}
-        assert any(s.name == "engine.prefill" for s in spans) and any(s.name == "engine.decode" for s in spans)
-    finally:
-        provider.shutdown()
+    exporter = traced(engine_loop, processor, sim)  # the loop makes the batch spans from the scheduler's report
+    async for h in serve(DispatcherService(make_config(**{"batching.flush_interval_ms": 50}))):
+        results = await asyncio.gather(*(h.generate(request_id=f"s{i}", max_tokens=4) for i in range(3)))
+    spans = exporter.get_finished_spans()
+    requests = [s for s in spans if s.name == "dispatcher.generate"]
+    assert len(requests) == 3
+    for span, chunks in zip(sorted(requests, key=lambda s: s.start_time), results):
+        assert span.attributes["gen_ai.request.model"] == "sim-7b"
+        assert span.attributes["gen_ai.usage.input_tokens"] == chunks[-1].done.usage.prompt_tokens
+        assert span.attributes["gen_ai.usage.output_tokens"] == 4
+    waits = [s for s in spans if s.name == "dispatcher.queue_wait"]
+    assert {w.parent.span_id for w in waits} == {r.context.span_id for r in requests}
+    batches = [s for s in spans if s.name == "dispatcher.batch"]
+    linked = {link.context.span_id for b in batches for link in b.links}
+    assert linked == {r.context.span_id for r in requests}
+    assert sum(b.attributes["switchyard.batch_size"] for b in batches) == 3
+    assert {b.attributes["switchyard.flush_reason"] for b in batches} <= {"idle", "step", "size", "interval"}
+    assert any(s.name == "engine.prefill" for s in spans) and any(s.name == "engine.decode" for s in spans)
 
 
-async def test_request_trace_shows_its_prefill_and_decode_phases(monkeypatch: pytest.MonkeyPatch) -> None:
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
+async def test_request_trace_shows_its_prefill_and_decode_phases(traced) -> None:
     from switchyard.dispatcher import processor
 
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(processor, "tracer", provider.get_tracer(processor.__name__))
-    try:
-        async for h in serve(DispatcherService(make_config())):
-            await h.generate(request_id="phases", max_tokens=5)
-        spans = {s.name: s for s in exporter.get_finished_spans()}
-        request, prefill, decode = spans["dispatcher.generate"], spans["inference.prefill"], spans["inference.decode"]
-        assert prefill.parent.span_id == decode.parent.span_id == request.context.span_id
-        assert request.start_time <= prefill.start_time <= prefill.end_time <= decode.start_time <= decode.end_time
-        assert decode.attributes["gen_ai.usage.output_tokens"] == 5
-    finally:
-        provider.shutdown()
+    exporter = traced(processor)
+    async for h in serve(DispatcherService(make_config())):
+        await h.generate(request_id="phases", max_tokens=5)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    request, prefill, decode = spans["dispatcher.generate"], spans["inference.prefill"], spans["inference.decode"]
+    assert prefill.parent.span_id == decode.parent.span_id == request.context.span_id
+    assert request.start_time <= prefill.start_time <= prefill.end_time <= decode.start_time <= decode.end_time
+    assert decode.attributes["gen_ai.usage.output_tokens"] == 5
 
 
-async def test_a_cancelled_requests_trace_shows_its_queue_wait_prefill_and_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_cancelled_requests_trace_shows_its_queue_wait_prefill_and_decode(traced) -> None:
     """The queue wait and engine phases of a request were written only with its done chunk: the trace of a task
     cancelled (or failed) mid-decode, the one an operator opens to see where its time went, had its
     ``dispatcher.generate`` with nothing under it. A request cancelled after its first tokens shows both phases
     up to its last token, and its wait."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
     from switchyard.dispatcher import processor
 
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(processor, "tracer", provider.get_tracer(processor.__name__))
-    try:
-        async for h in serve(DispatcherService(make_config())):
-            call = h.stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, request_id="cut", max_tokens=4000),
-                                   timeout=30)
-            tokens = 0
-            async for chunk in call:
-                tokens += chunk.HasField("token")
-                if tokens == 3:
-                    call.cancel()
-                    break
-            await wait_until(lambda: any(s.name == "dispatcher.generate" for s in exporter.get_finished_spans()),
-                             "the cancelled request's span ended")
-        spans = {s.name: s for s in exporter.get_finished_spans()}
-        request = spans["dispatcher.generate"]
-        assert request.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
-        for name in ("dispatcher.queue_wait", "inference.prefill", "inference.decode"):
-            assert name in spans, f"{name} missing from the cancelled request's trace: {sorted(spans)}"
-            assert spans[name].parent.span_id == request.context.span_id
-        assert spans["inference.prefill"].end_time <= spans["inference.decode"].start_time
-        assert 3 <= spans["inference.decode"].attributes["gen_ai.usage.output_tokens"] < 4000
-    finally:
-        provider.shutdown()
+    exporter = traced(processor)
+    async for h in serve(DispatcherService(make_config())):
+        call = h.stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, request_id="cut", max_tokens=4000),
+                               timeout=30)
+        tokens = 0
+        async for chunk in call:
+            tokens += chunk.HasField("token")
+            if tokens == 3:
+                call.cancel()
+                break
+        await wait_until(lambda: any(s.name == "dispatcher.generate" for s in exporter.get_finished_spans()),
+                         "the cancelled request's span ended")
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    request = spans["dispatcher.generate"]
+    assert request.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    for name in ("dispatcher.queue_wait", "inference.prefill", "inference.decode"):
+        assert name in spans, f"{name} missing from the cancelled request's trace: {sorted(spans)}"
+        assert spans[name].parent.span_id == request.context.span_id
+    assert spans["inference.prefill"].end_time <= spans["inference.decode"].start_time
+    assert 3 <= spans["inference.decode"].attributes["gen_ai.usage.output_tokens"] < 4000
 
 
 def test_preemption_is_an_event_on_the_request_span() -> None:
