@@ -283,7 +283,8 @@ class _OpenStream:
     ended: bool
     endpoint: Endpoint
     counted: bool = False
-    """Its tokens were counted for the endpoint's limit already (a whole answer: :meth:`EndpointPool.on_whole_answer`)."""
+    """Its tokens were counted for the endpoint's limit already (a whole answer: :meth:`EndpointPool.on_whole_answer`);
+    not its ending (``switchyard_upstream_stream_endings_total``), which :meth:`GatewayClient._stream_chat` tracks."""
 
 
 class GatewayClient:
@@ -611,7 +612,7 @@ class GatewayClient:
                 call, request, lambda e, m: self._open_stream(call, request, e, m))
             GATEWAY_TTFT.labels(model_names.model_label(model, self.config)).observe(time.monotonic() - started)
             ended_with: GatewayError | None = None  # what the endpoint's stream ended with, told to the pool
-            counted = opened.ended  # its ending counted (:data:`STREAM_ENDINGS`): each stream once
+            ending_counted = opened.ended  # its ending counted (:data:`STREAM_ENDINGS`): each stream once
             try:
                 for event in opened.first:
                     sent += not isinstance(event, Finished)
@@ -648,7 +649,7 @@ class GatewayClient:
                     finally:
                         reads.close()
                     tail = _end(opened.decoder)  # counts the ending, or the cut it raises (an error it raises: below)
-                    counted = True
+                    ending_counted = True
                     for event in tail:
                         finished = finished or isinstance(event, Finished)
                         yield event
@@ -658,18 +659,18 @@ class GatewayClient:
                 url = opened.endpoint.chat_completions
                 error = self._transport_error(exc, url, call.key)
                 _count_broken(error)
-                counted = True
+                ending_counted = True
                 ended_with = error.from_replica(opened.endpoint.url, opened.endpoint.replica).after_tokens(sent)
                 raise ended_with from None
             except GatewayError as exc:
-                if not counted:
+                if not ending_counted:
                     _count_error(opened.decoder, exc)
-                    counted = True
+                    ending_counted = True
                 ended_with = (exc.naming(opened.endpoint.chat_completions)
                               .from_replica(opened.endpoint.url, opened.endpoint.replica).after_tokens(sent))
                 raise ended_with
             except (asyncio.CancelledError, GeneratorExit):  # its caller left before the stream ended
-                if not counted:
+                if not ending_counted:
                     _count_left(call)
                 raise
             finally:
