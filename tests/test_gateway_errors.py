@@ -480,6 +480,15 @@ async def test_a_stream_that_stalls_after_its_first_token_ends_at_the_calls_dead
             closed.set()
             writer.close()
 
+    from prometheus_client import REGISTRY
+
+    from switchyard.gateway.metrics import STREAM_ENDINGS
+
+    def endings() -> dict[str, float]:
+        return {e: REGISTRY.get_sample_value("switchyard_upstream_stream_endings_total", {"ending": e}) or 0.0
+                for e in STREAM_ENDINGS}
+
+    before = endings()
     async with tcp_upstream(answer) as base:
         cfg = gateway_config(base, fallback_model="", max_retries=0, http_transport=transport, read_timeout_s=5,
                              total_timeout_s=60 if budget == "callers" else 0.5)
@@ -497,6 +506,10 @@ async def test_a_stream_that_stalls_after_its_first_token_ends_at_the_calls_dead
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED, err
     assert ("the caller's deadline (0.5s left)" if budget == "callers" else "total_timeout_s=0.5s") in str(err), err
     assert "after 2 streamed item" in str(err), err
+    # its ending counted once, as the deadline's: the caller's gave up (cancelled), total_timeout_s timed it out
+    after = endings()
+    assert {e: after[e] - before[e] for e in STREAM_ENDINGS if after[e] != before[e]} == {
+        "cancelled" if budget == "callers" else "timeout": 1}
 
 
 CLOUDFLARE_524 = (
