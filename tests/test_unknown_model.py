@@ -267,3 +267,49 @@ async def test_the_served_names_are_built_when_a_list_is_read_with_other_ids_not
             (endpoint,) = client.pool.endpoints.values()
             await client.list_models(endpoint)
             assert client.served_names() == (OTHER, MODEL, "alias")
+
+
+async def test_a_task_naming_a_model_the_kept_answer_serves_does_not_wait_for_an_ask_under_way(monkeypatch):
+    """An upstream that reports no context window (``transformers serve``, TGI) leaves the kept answer's window
+    unread, so the orchestrator asks the dispatcher again (at most every MODEL_INFO_RETRY_S). A task naming a model
+    the kept answer lists goes on with it while that ask runs; every task that came during each ask had waited for
+    it (up to its 1 s bound). One naming a model the answer does not list still waits (the model may be new)."""
+    import asyncio
+
+    from switchyard.orchestrator import clients
+
+    asked = 0
+    hang = asyncio.Event()
+
+    class Dispatcher(agent_pb2_grpc.InferenceServiceServicer):
+        async def DescribeModel(self, request, context):  # noqa: N802 - gRPC's name
+            nonlocal asked
+            asked += 1
+            if asked > 1:  # asked again: no answer until the test lets it go
+                await hang.wait()
+            return agent_pb2.ModelInfo(model=MODEL, engine="openai", models=[MODEL])  # no window reported
+
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_InferenceServiceServicer_to_server(Dispatcher(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = clients.InferenceClient(f"127.0.0.1:{port}", SwitchyardConfig().server)
+    try:
+        monkeypatch.setattr(clients, "MODEL_INFO_RETRY_S", 0.0)
+        await client.model_info()
+        asking = asyncio.create_task(client.model_info(model=MODEL))  # the window unread: asked again
+        while asked < 2:
+            await asyncio.sleep(0.01)
+        served = await client.model_info(model=MODEL)  # served by the kept answer: no wait for the ask
+        assert served.models == [MODEL]
+        refresh = client._model_info_refresh
+        assert refresh is not None and not refresh.done()  # answered while the ask was still under way
+        waiting = asyncio.create_task(client.model_info(model=OTHER))  # not listed: waits for the ask's answer
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        hang.set()
+        await asyncio.gather(asking, waiting)
+    finally:
+        hang.set()
+        await client.close()
+        await server.stop(None)
