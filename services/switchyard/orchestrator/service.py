@@ -669,7 +669,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 settle(task, expected=lambda e: not own_fault(e, self.name))
         if exc is not None:
             _log_failure(spec.task_id, exc)
-            await self._abort(context, exc)
+            await self._abort(context, exc, _caller_ids(request))  # its ids quoted back whole, as its refusals'
 
     async def SubmitTask(
         self, request: agent_pb2.RunTaskRequest, context: grpc.aio.ServicerContext
