@@ -131,3 +131,25 @@ async def test_a_call_past_its_bound_is_named_with_the_bound_not_a_bare_timeout_
         await client.close()
     finally:
         server.stop()
+
+
+async def test_more_calls_at_once_than_redis_connections_wait_for_one_and_the_tier_stays_up(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """redis-py's pool refuses a call beyond its size (100) at once with MaxConnectionsError, a ConnectionError:
+    a burst of calls on a healthy Redis read as an outage, the tier skipped for retry_interval_s. A call finding
+    every connection in use waits for one ([dram] max_connections)."""
+    import asyncio
+
+    server = start_redis()
+    try:
+        for config in (RedisDb(server.host, server.port, 0).dram_config,
+                       RedisDb(server.host, server.port, 0).dram_config.model_copy(update={"max_connections": 2})):
+            client = DramClient(config)
+            with caplog.at_level(logging.WARNING, logger="switchyard.common.dram"):
+                answers = await asyncio.gather(*(client.call(lambda r, n=n: r.set(f"switchyard:burst:{n}", n),
+                                                             "missed", "agent memory record") for n in range(400)))
+            assert answers == [True] * 400 and client.up
+            assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            await client.close()
+    finally:
+        server.stop()

@@ -782,3 +782,26 @@ async def test_after_a_store_outage_longer_than_the_lease_no_replica_takes_a_liv
         await a.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("max_connections", [None, 2])
+async def test_more_operations_at_once_than_redis_connections_wait_for_one_and_the_store_stays_up(
+        redis_db, max_connections):
+    """A burst of 200 SubmitTasks to a stack on a healthy Redis answered 8 of them 503 'task store unavailable
+    (...): MaxConnectionsError: Too many connections' and read the store down: redis-py's pool refuses a call
+    beyond its size (100) at once. A call finding every connection in use waits for one ([dram] max_connections)."""
+    import asyncio
+
+    dram = redis_db.dram_config
+    if max_connections is not None:
+        dram = dram.model_copy(update={"max_connections": max_connections})
+    store = RedisTaskStore(TaskStoreConfig(), dram)
+    await store.open()
+    ids = [f"burst-{i}" for i in range(400)]
+    answers = await asyncio.gather(*(store.create(task_id, fingerprint({"n": n}), "")
+                                     for n, task_id in enumerate(ids)))
+    assert all(created for _, created in answers)
+    records = await asyncio.gather(*(store.get(task_id) for task_id in ids))
+    assert [record.task_id for record in records] == ids
+    assert REGISTRY.get_sample_value("switchyard_task_store_up") == 1.0
+    await store.close()

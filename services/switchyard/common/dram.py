@@ -95,6 +95,26 @@ REGISTRY.register(_DramSeries())
 _OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
 
+def redis_client(config: DramTierConfig, *, socket_timeout: float, retries: int) -> aioredis.Redis:
+    """An asyncio Redis client of ``config``'s address whose pool holds at most ``config.max_connections``.
+
+    Args:
+        config: ``memory_policy.toml [dram]``: address, db, connect timeout, pool size.
+        socket_timeout: longest wait for one reply, seconds; also the longest wait for a free connection.
+        retries: times a command is sent again on a connection error, with no backoff.
+
+    A call that finds every connection in use waits for one (redis-py's BlockingConnectionPool): redis-py's
+    default pool refuses it at once with MaxConnectionsError, a ConnectionError, so a burst of calls on a healthy
+    Redis read as an outage (the DRAM tier skipped for retry_interval_s, SubmitTask answered 503). A wait that
+    runs out raises ConnectionError 'No connection available.'."""
+    pool = aioredis.BlockingConnectionPool(
+        host=config.host, port=config.port, db=config.db,
+        socket_connect_timeout=config.connect_timeout_s, socket_timeout=socket_timeout,
+        retry=Retry(NoBackoff(), retries), max_connections=config.max_connections, timeout=socket_timeout,
+    )
+    return aioredis.Redis.from_pool(pool)
+
+
 class DramClient:
     """The DRAM tier's Redis for one service.
 
@@ -108,16 +128,9 @@ class DramClient:
         _DramSeries.opened = True
         self.config = config
         self.address = f"{config.host}:{config.port}"
-        self.redis = aioredis.Redis(
-            host=config.host,
-            port=config.port,
-            db=config.db,
-            socket_connect_timeout=config.connect_timeout_s,
-            socket_timeout=config.op_timeout_s,
-            # No client-side retries: an outage is detected by the first failure and skipped
-            # afterwards (retry_interval_s), instead of every call waiting out backoffs.
-            retry=Retry(NoBackoff(), 0),
-        )
+        # No client-side retries: an outage is detected by the first failure and skipped
+        # afterwards (retry_interval_s), instead of every call waiting out backoffs.
+        self.redis = redis_client(config, socket_timeout=config.op_timeout_s, retries=0)
         self._down_since: float | None = None
         self._next_try = 0.0
         self._probe: asyncio.Lock = asyncio.Lock()

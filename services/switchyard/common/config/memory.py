@@ -70,6 +70,13 @@ class DramTierConfig(_Strict):
     op_timeout_s: float = Field(
         0.5, gt=0, le=60, description="Longest wait for one Redis reply before the tier counts as down, seconds."
     )
+    max_connections: int = Field(
+        100, ge=1, le=10_000,
+        description="Connections each Redis client (the DRAM tier's of each service, the orchestrator's task store) "
+        "opens at most, connections; a call finding every one in use waits for one, within op_timeout_s (the task "
+        "store: at least 1 s), and an outage is read only from Redis itself. Raise it when many calls at once "
+        "wait on each other (Redis's own maxclients, 10000 by default, bounds them all).",
+    )
     retry_interval_s: float = Field(
         2.0, gt=0, le=3600,
         description="While Redis is down, calls skip it (degrade at once) and one call tries again this often, "

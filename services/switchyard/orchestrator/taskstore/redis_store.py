@@ -35,14 +35,11 @@ import json
 import time
 from typing import Any, Awaitable, TypeVar
 
-import redis.asyncio as aioredis
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import DramTierConfig, TaskStoreConfig
-from switchyard.common.dram import describe_error
+from switchyard.common.dram import describe_error, redis_client
 from switchyard.common.tenant import agent_key
 from switchyard.orchestrator.taskstore.base import Lease, TaskRecord, TaskStore, TaskStoreUnavailable
 
@@ -190,11 +187,7 @@ class RedisTaskStore(TaskStore):
     def __init__(self, config: TaskStoreConfig, dram: DramTierConfig) -> None:
         super().__init__(config, f"redis {dram.host}:{dram.port} db {dram.db}")
         self.prefix = dram.key_prefix
-        self.redis = aioredis.Redis(
-            host=dram.host, port=dram.port, db=dram.db,
-            socket_connect_timeout=dram.connect_timeout_s, socket_timeout=max(dram.op_timeout_s, 1.0),
-            retry=Retry(NoBackoff(), 1),
-        )
+        self.redis = redis_client(dram, socket_timeout=max(dram.op_timeout_s, 1.0), retries=1)
         self._create_script = self.redis.register_script(_CREATE)
         self._update_script = self.redis.register_script(_UPDATE)
         self._delete_script = self.redis.register_script(_DELETE)
