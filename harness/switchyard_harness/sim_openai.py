@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, AsyncIterator, Iterator
 
 import uvicorn
@@ -821,9 +821,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer <value of VAR>' (default: no key check)")
     parser.add_argument("--fault", action="append", default=[], metavar="[MODEL=]SPEC",
                         help="inject a failure, e.g. status=503 | gpt-4o-mini=cut_after=3 | slow_ms=50 "
-                             "(keys: status fail_first cut_after no_done no_finish malformed_after stream_error no_choices slow_ms "
-                             "mismatch finish reasoning said "
-                             f"expired echo_key); per request: header {FAULT_HEADER} or model suffix MODEL#SPEC")
+                             f"(keys: {' '.join(f.name for f in fields(Fault))}); per request: header {FAULT_HEADER} "
+                             "or model suffix MODEL#SPEC")
     parser.add_argument("--no-latency", action="store_true", help="answer at once instead of at sim-engine speed")
     parser.add_argument("--owned-by", default="switchyard-sim", metavar="NAME",
                         help="owned_by of the listed models, e.g. vllm or sglang to stand in for that server")

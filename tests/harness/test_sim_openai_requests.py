@@ -70,3 +70,15 @@ def test_a_model_id_no_request_can_name_is_refused_at_start(model, capsys):
         sim_openai.main(["--host", "256.0.0.1", "--model", model])  # an address it cannot bind: no server starts
     assert caught.value.code == 2
     assert "--model: expected a model id, not blank and without '#'" in capsys.readouterr().err
+
+
+def test_the_fault_option_s_help_names_every_fault_key():
+    """The --fault help listed its keys by hand and left out retry_after, retry_after_ms, retry_after_date and
+    stream_type: a user reading --help could not find how to send a Retry-After."""
+    from dataclasses import fields
+
+    from switchyard_harness.faults import Fault
+
+    text = " ".join(sim_openai._parser().format_help().split())
+    keys = text.split("(keys: ", 1)[1].split(")", 1)[0].split()
+    assert keys == [f.name for f in fields(Fault)]
