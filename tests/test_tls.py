@@ -415,6 +415,116 @@ async def test_a_server_whose_certificate_is_not_valid_now_refuses_to_start_nami
     assert ", now " in message and "install a certificate valid now" in message, message
 
 
+def _write_pki(folder: Path, ca_days: tuple[int, int], intermediate_days: tuple[int, int] | None,
+               renewed_ca: str = "") -> ServerConfig:
+    """A CA valid from ca_days[0] to ca_days[1] days from now, an intermediate (where given) valid likewise, a leaf
+    for 127.0.0.1 valid now signed by the last; cert.pem holds the leaf and the intermediate, ca.pem the CA, and a
+    renewed CA of the same name and key, valid now, ``renewed_ca`` ("before" or "after") it."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(text: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
+
+    def authority(subject: str, key, issuer: str, signer, days: tuple[int, int]) -> x509.Certificate:
+        return (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now + datetime.timedelta(days=days[0]))
+                .not_valid_after(now + datetime.timedelta(days=days[1]))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .sign(signer, hashes.SHA256()))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = authority("test ca", ca_key, "test ca", ca_key, ca_days)
+    renewed = [authority("test ca", ca_key, "test ca", ca_key, (-1, 30))] if renewed_ca else []
+    authorities = renewed + [ca] if renewed_ca == "before" else [ca] + renewed
+    signer_key, signer_name, chain = ca_key, "test ca", []
+    if intermediate_days is not None:
+        key = ec.generate_private_key(ec.SECP256R1())
+        chain.append(authority("test intermediate", key, "test ca", ca_key, intermediate_days))
+        signer_key, signer_name = key, "test intermediate"
+    leaf_key = ec.generate_private_key(ec.SECP256R1())
+    leaf = (x509.CertificateBuilder().subject_name(name("svc")).issuer_name(name(signer_name))
+            .public_key(leaf_key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .sign(signer_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    (folder / "cert.pem").write_bytes(b"".join(c.public_bytes(pem) for c in [leaf, *chain]))
+    (folder / "ca.pem").write_bytes(b"".join(c.public_bytes(pem) for c in authorities))
+    (folder / "key.pem").write_bytes(leaf_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                            serialization.NoEncryption()))
+    return ServerConfig(tls=TlsConfig(enabled=True, cert_file=str(folder / "cert.pem"),
+                                      key_file=str(folder / "key.pem"), ca_file=str(folder / "ca.pem")))
+
+
+@pytest.mark.parametrize("case", ["expired ca", "ca not yet valid", "expired intermediate"])
+async def test_a_server_whose_ca_or_intermediate_is_not_valid_now_refuses_to_start_naming_it(tmp_path, case):
+    """The leaf was the only certificate checked at start: with the CA of server.tls.ca_file expired (or an
+    intermediate of cert_file) every service started, every handshake failed "certificate has expired", and
+    `switchyard up` said the certificate, valid itself, did not verify against ca_file. The service refuses to
+    start naming the file, the certificate's subject, its validity and the time."""
+    config = _write_pki(tmp_path, {"expired ca": (-30, -1), "ca not yet valid": (1, 30)}.get(case, (-30, 30)),
+                        (-30, -1) if case == "expired intermediate" else None)
+    with pytest.raises(ConfigError) as refused:
+        async with running([Downstream()], config):
+            pass
+    message = str(refused.value)
+    what = "it is not valid yet" if case == "ca not yet valid" else "it expired"
+    if case == "expired intermediate":
+        assert message.startswith(f"server.tls.cert_file {tmp_path / 'cert.pem'}: its certificate 2 (an "
+                                  f"intermediate, subject CN=test intermediate): {what}: valid "), message
+    else:
+        assert message.startswith(f"server.tls.ca_file {tmp_path / 'ca.pem'}: the authority that signed "
+                                  f"server.tls.cert_file {tmp_path / 'cert.pem'} (subject CN=test ca, the first in the "
+                                  f"file that did): {what}: "
+                                  "valid "), message
+    assert ", now " in message and "install a certificate valid now" in message, message
+
+
+def test_the_offline_check_follows_intermediates_and_names_an_expired_ca(tmp_path):
+    """doctor's offline check of server.tls.cert_file asked whether ca_file signed the leaf itself: a chain with an
+    intermediate, which serves, read 'did not sign it'; and with the CA expired, which every service refuses, it
+    read OK. It follows the chain to the authority and judges what a service judges at start."""
+    from switchyard.common import tls_check
+
+    for folder, ca_days, intermediate_days in (("good", (-30, 30), (-30, 30)), ("old", (-30, -1), (-30, 30))):
+        (tmp_path / folder).mkdir()
+        config = _write_pki(tmp_path / folder, ca_days, intermediate_days)
+        check = tls_check.check_certificate_file(config.tls, "127.0.0.1")
+        if folder == "good":
+            assert check.ok and check.subject == "CN=svc", check.problem
+        else:
+            assert check.problem.startswith("server.tls.ca_file: the authority that signed server.tls.cert_file "
+                                             "(subject CN=test ca, the first in the file that did): it expired"), (
+                check.problem)
+
+
+async def test_a_ca_bundle_holding_an_expired_ca_serves_with_its_renewal_first_and_refuses_it_after():
+    """A CA renewed with its key kept: the bundle holds the old (expired) and the new certificate, both signers of
+    the chain. grpc's handshake verifies against the first in the file: the renewal first, the service starts and
+    answers; the expired one first, every handshake failed "certificate has expired", so the service refuses to
+    start naming it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        config = _write_pki(Path(folder), (-30, -1), None, renewed_ca="before")
+        async with running([Downstream()], config) as srv:
+            assert await check(f"127.0.0.1:{srv.port}", config) == health_pb2.HealthCheckResponse.SERVING
+        config = _write_pki(Path(folder), (-30, -1), None, renewed_ca="after")
+        with pytest.raises(ConfigError, match=r"server\.tls\.ca_file .*\(subject CN=test ca, the first in the file "
+                                              r"that did\): it expired"):
+            async with running([Downstream()], config):
+                pass
+
+
 def test_switchyard_up_names_a_tls_failure_of_its_health_checks_at_once(named_pki, tmp_path):
     """A certificate without the address the launcher dials (127.0.0.1): `switchyard up` waited --ready-timeout
     (180 s) on health checks that could never pass, then said to raise it; it stops at the first TLS failure,

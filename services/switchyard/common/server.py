@@ -230,9 +230,11 @@ def _add_port(server: grpc.aio.Server, address: str, config: ServerConfig) -> in
         raise ConfigError("server.tls: a server needs cert_file and key_file (the certificate it presents)")
     from switchyard.common.tls_check import served_certificate_problem  # cryptography only where TLS is on
 
-    if (problem := served_certificate_problem(cert)) is not None:
-        raise ConfigError(f"server.tls.cert_file {tls.cert_file}: {problem}; every peer's TLS handshake would fail: "
-                          "install a certificate valid now (or set this host's clock right)")
+    problem = served_certificate_problem(cert, f"server.tls.cert_file {tls.cert_file}", ca,
+                                         f"server.tls.ca_file {tls.ca_file}")
+    if problem is not None:
+        raise ConfigError(f"{problem}; every peer's TLS handshake would fail: install a certificate valid now "
+                          "(or set this host's clock right)")
     credentials = grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca if tls.require_client_auth else None,
         require_client_auth=tls.require_client_auth,

@@ -232,8 +232,10 @@ def name_matches(dialled: str, names: list[str]) -> bool:
 
 
 def check_certificate_file(tls: TlsConfig, dialled: str, address: str = "") -> TlsCheck:
-    """Check ``tls.cert_file`` (what every service presents) offline: issued by ``ca_file``, valid now,
-    holding ``dialled`` among its names. Raises nothing: what is wrong is the ``problem``."""
+    """Check ``tls.cert_file`` (what every service presents) offline: its chain (the leaf, then any
+    intermediates) issued by ``ca_file``, valid now with the authority that signed it
+    (:func:`served_certificate_problem`, what a service checks at start), holding ``dialled`` among its names.
+    Raises nothing: what is wrong is the ``problem``."""
     from cryptography import x509
 
     check = TlsCheck(address or f"server.tls.cert_file {tls.cert_file}", dialled)
@@ -242,16 +244,20 @@ def check_certificate_file(tls: TlsConfig, dialled: str, address: str = "") -> T
         if cert is None:
             check.problem = "server.tls.cert_file is not set: servers have no certificate to present"
             return check
-        leaf = x509.load_pem_x509_certificate(cert)
-        _describe_certificate(check, leaf.public_bytes(_der()))
+        chain = x509.load_pem_x509_certificates(cert)
+        _describe_certificate(check, chain[0].public_bytes(_der()))
         authorities = x509.load_pem_x509_certificates(ca)
     except Exception as exc:  # noqa: BLE001 - unreadable or unparsable PEM
         check.problem = f"could not read the certificate files: {type(exc).__name__}: {exc}"
         return check
-    if not any(_issued_by(leaf, authority) for authority in authorities):
-        check.problem = (f"its issuer {check.issuer} did not sign it with any certificate of server.tls.ca_file "
+    if not all(_issued_by(lower, upper) for lower, upper in zip(chain, chain[1:])):
+        check.problem = ("its certificates are not a chain: each after the first must have signed the one "
+                         "before it (the leaf first, then its intermediates)")
+    elif not any(_issued_by(chain[-1], authority) for authority in authorities):
+        top = chain[-1].issuer.rfc4514_string()
+        check.problem = (f"its issuer {top} did not sign it with any certificate of server.tls.ca_file "
                          f"{tls.ca_file}")
-    elif (invalid := not_valid_now(leaf)) is not None:
+    elif (invalid := served_certificate_problem(cert, "server.tls.cert_file", ca)) is not None:
         check.problem = invalid
     elif not name_matches(dialled, check.names):
         check.problem = (f"{dialled!r} is not among the certificate's names; dial one of them or set "
@@ -271,18 +277,41 @@ def not_valid_now(leaf) -> str | None:  # type: ignore[no-untyped-def]
     return f"{what}: valid {start.isoformat()} to {end.isoformat()}, now {at}"
 
 
-def served_certificate_problem(cert: bytes) -> str | None:
-    """Why a server must not present ``cert`` (PEM; its first certificate, the leaf): not valid now (expired, or
-    not yet valid: a clock or a renewal gone wrong), where every peer's handshake would fail with "certificate has
-    expired" while the server answered nothing else and ``switchyard up`` waited out --ready-timeout. None when it
-    is valid or cannot be parsed (grpc refuses that itself)."""
+def served_certificate_problem(cert: bytes, cert_setting: str = "server.tls.cert_file", ca: bytes = b"",
+                               ca_setting: str = "server.tls.ca_file") -> str | None:
+    """Why a server must not present ``cert`` (PEM: the leaf, then any intermediates) with ``ca`` (PEM, the
+    bundle every peer and this service's own channels verify against): a certificate of the chain, or the
+    authority of ``ca`` that signed its last one, not valid now (expired, or not yet valid: a clock or a
+    renewal gone wrong). Every peer's handshake would fail with "certificate has expired" while the server
+    answered nothing else and ``switchyard up`` waited out --ready-timeout; an expired CA or intermediate had
+    been let through, and up's check then said the (valid) certificate did not verify.
+
+    Returns the reason, starting with the setting of the file at fault and the certificate's subject where it
+    is not the leaf; None when all are valid or cannot be parsed (grpc refuses that itself). An authority of
+    ``ca`` that signed none of the chain is not judged (a bundle may hold other CAs); of those that did, the
+    first in the file is, as grpc's handshake verifies against it: a CA renewed with its key kept serves with
+    the renewal first in the bundle, and fails every handshake with the expired one first."""
     from cryptography import x509
 
     try:
-        leaf = x509.load_pem_x509_certificate(cert)
+        chain = x509.load_pem_x509_certificates(cert)
     except ValueError:
         return None
-    return not_valid_now(leaf)
+    for place, certificate in enumerate(chain):
+        if (invalid := not_valid_now(certificate)) is not None:
+            if place == 0:
+                return f"{cert_setting}: {invalid}"
+            return (f"{cert_setting}: its certificate {place + 1} (an intermediate, subject "
+                    f"{certificate.subject.rfc4514_string()}): {invalid}")
+    try:
+        authorities = x509.load_pem_x509_certificates(ca) if ca.strip() else []
+    except ValueError:
+        return None
+    signer = next((authority for authority in authorities if _issued_by(chain[-1], authority)), None)
+    if signer is not None and (invalid := not_valid_now(signer)) is not None:
+        return (f"{ca_setting}: the authority that signed {cert_setting} (subject "
+                f"{signer.subject.rfc4514_string()}, the first in the file that did): {invalid}")
+    return None
 
 
 def _der():  # type: ignore[no-untyped-def]
