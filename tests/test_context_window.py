@@ -219,6 +219,28 @@ async def test_a_request_naming_another_model_is_checked_against_that_models_rep
     assert "2048 tokens" in caught.value.details() and named in caught.value.details()
 
 
+@pytest.mark.parametrize("fallback", ["gpt-4o-mini", OTHER])
+async def test_an_upstream_that_does_not_list_the_fallback_model_is_a_warning_at_start(clean_proxy_env, caplog,
+                                                                                       fallback):
+    """The shipped fallback_model (gpt-4o-mini) in front of a server that does not serve it (transformers serve,
+    vLLM with one model) started with no word of it: every call whose model failed before its first token was sent
+    there and failed NOT_FOUND. A warning names the setting; a listed fallback is none."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="switchyard.dispatcher.engines.openai")
+    with start_sim(models=[MODEL, OTHER]) as sim:
+        cfg = config_for(sim.base_url).with_overrides(**{"upstream.fallback_model": fallback})
+        engine = make_engine(cfg)
+        async with running([DispatcherService(cfg, engine=engine)], cfg.server):
+            await engine.await_model_list("", 5.0)  # the read its start began
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if fallback == OTHER:
+        assert warned == [], warned
+    else:
+        assert len(warned) == 1 and f"does not list model {fallback!r}, model_gateway.fallback_model" in warned[0]
+        assert "SWITCHYARD_UPSTREAM_FALLBACK_MODEL=none" in warned[0] and repr(MODEL) in warned[0], warned
+
+
 async def test_an_upstream_that_does_not_list_the_default_model_or_does_not_answer_is_a_warning_at_start(
         clean_proxy_env, caplog):
     """`switchyard up` reports the stack healthy whatever the model server does (it may come up later); the

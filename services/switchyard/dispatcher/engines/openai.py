@@ -259,7 +259,9 @@ class OpenAIEngine(StreamEngine):
         """Read the upstream's model list. What stands in the way of every request is a WARNING, once: the
         upstream not answering (the first read fails; later retries log at INFO), or not listing the model a
         request naming none is served (``switchyard up`` reports the stack healthy either way: the dispatcher
-        is up, and a model server may come up after it)."""
+        is up, and a model server may come up after it); and so is one not listing ``fallback_model``, which
+        every call whose model fails before its first token is sent to (it had been no warning: the fallback
+        served none of them, each call's error adding that it was not found there)."""
         self._described_at = time.monotonic()
         try:
             ids = await self.client.list_models_everywhere()
@@ -280,6 +282,13 @@ class OpenAIEngine(StreamEngine):
                 log.warning("the upstream does not list model %r, which a request naming no model is served (it "
                             "lists %s): such requests fail NOT_FOUND; set model_gateway.default_model "
                             "(SWITCHYARD_UPSTREAM_MODEL) to one it serves", served, ", ".join(map(repr, ids[:10])))
+            fallback = self.client.models_for("")[1:]
+            if ids and fallback and not model_names.listed(fallback[0], ids):
+                log.warning("the upstream does not list model %r, model_gateway.fallback_model, which a call whose "
+                            "model fails before its first token is sent to (it lists %s): it is not found there, so "
+                            "it serves none of them; set model_gateway.fallback_model (SWITCHYARD_UPSTREAM_FALLBACK_MODEL) to one "
+                            "it serves, or to none (SWITCHYARD_UPSTREAM_FALLBACK_MODEL=none) for no fallback",
+                            fallback[0], ", ".join(map(repr, ids[:10])))
         finally:
             self._reads_ended += 1
 
