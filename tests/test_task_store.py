@@ -805,3 +805,35 @@ async def test_more_operations_at_once_than_redis_connections_wait_for_one_and_t
     assert [record.task_id for record in records] == ids
     assert REGISTRY.get_sample_value("switchyard_task_store_up") == 1.0
     await store.close()
+
+
+async def test_a_call_that_waits_out_a_full_pool_of_a_hung_redis_names_the_pool_and_its_setting():
+    """With Redis stopped (SIGSTOP: connections open, no answers) the calls beyond the pool's size waited for a
+    connection and failed 'ConnectionError: No connection available.', which reads as Redis refusing connections:
+    the error names the pool's size and [dram] max_connections."""
+    import asyncio
+    import os
+    import signal
+
+    from redis_fixtures import RedisDb, start_redis
+
+    from switchyard.orchestrator.taskstore.base import TaskStoreUnavailable
+
+    server = start_redis()
+    try:
+        dram = RedisDb(server.host, server.port, 0).dram_config.model_copy(update={"max_connections": 2})
+        store = RedisTaskStore(TaskStoreConfig(), dram)
+        await store.open()
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            answers = await asyncio.gather(*(store.get(f"t-{n}") for n in range(6)), return_exceptions=True)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert all(isinstance(answer, TaskStoreUnavailable) for answer in answers), answers
+        waited = [str(answer) for answer in answers if "no connection to Redis free within 1 s" in str(answer)]
+        assert waited and all("all 2 (memory_policy.toml [dram] max_connections)" in text for text in waited), (
+            [str(answer) for answer in answers])
+        assert await store.get("t-0") is None  # answered again once Redis goes on
+        await store.close()
+    finally:
+        server.stop()

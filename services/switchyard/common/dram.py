@@ -95,6 +95,21 @@ REGISTRY.register(_DramSeries())
 _OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
 
+class _WaitingPool(aioredis.BlockingConnectionPool):
+    """redis-py's BlockingConnectionPool whose wait that runs out names the pool's size and its setting: it said
+    only 'No connection available.', which reads as Redis refusing connections."""
+
+    async def get_connection(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        try:
+            return await super().get_connection(*args, **kwargs)
+        except RedisConnectionError as exc:
+            if not isinstance(exc.__cause__, asyncio.TimeoutError):
+                raise
+            raise RedisConnectionError(
+                f"no connection to Redis free within {self.timeout:g} s: all {self.max_connections} "
+                "(memory_policy.toml [dram] max_connections) were waiting on Redis's answers") from exc
+
+
 def redis_client(config: DramTierConfig, *, socket_timeout: float, retries: int) -> aioredis.Redis:
     """An asyncio Redis client of ``config``'s address whose pool holds at most ``config.max_connections``.
 
@@ -106,8 +121,8 @@ def redis_client(config: DramTierConfig, *, socket_timeout: float, retries: int)
     A call that finds every connection in use waits for one (redis-py's BlockingConnectionPool): redis-py's
     default pool refuses it at once with MaxConnectionsError, a ConnectionError, so a burst of calls on a healthy
     Redis read as an outage (the DRAM tier skipped for retry_interval_s, SubmitTask answered 503). A wait that
-    runs out raises ConnectionError 'No connection available.'."""
-    pool = aioredis.BlockingConnectionPool(
+    runs out raises ConnectionError naming the pool's size and ``[dram] max_connections``."""
+    pool = _WaitingPool(
         host=config.host, port=config.port, db=config.db,
         socket_connect_timeout=config.connect_timeout_s, socket_timeout=socket_timeout,
         retry=Retry(NoBackoff(), retries), max_connections=config.max_connections, timeout=socket_timeout,
