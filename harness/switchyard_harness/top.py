@@ -8,8 +8,8 @@ Every ``--interval`` seconds (default 1) it scrapes the three services'
 Prometheus endpoints and shows, per queue, depth, capacity and wait; batch
 size and flushes by reason; engine busy ratio, roofline efficiency and compute
 score; running and waiting sequences, preemptions and TTFT P50/P95 per priority
-class; the DRAM tier's state (up, outages, degraded operations) and
-the bytes held in each memory tier. Rates and
+class; the DRAM tier's state (up, outages, degraded operations), the task
+store's (up or down) and the bytes held in each memory tier. Rates and
 quantiles cover the last interval (the difference of two scrapes); the first
 frame, and ``--once``, cover everything since each process started. It draws
 plain text with ``rich`` (no full-screen mode), so it works over SSH and in a
@@ -310,7 +310,9 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
     ending (each of the gateway's: ``switchyard.gateway.metrics.STREAM_ENDINGS``), endpoints (a pool's
     endpoints, None without a pool) and endpoints_down (their names, sorted), circuits not closed as model -> {state: endpoints in it}; None before),
     ``dram`` (the DRAM tier's Redis as the orchestrator sees it: up,
-    outages, degraded_operations; None without an orchestrator scrape).
+    outages, degraded_operations; None without an orchestrator scrape), ``task_store_up`` (whether the
+    orchestrator's task store answers, ``switchyard_task_store_up``: SubmitTask, GetTaskStatus and CancelTask
+    need it; None without an orchestrator scrape).
     """
     prev = previous or {}
     windows = windows_of(current, prev)
@@ -377,6 +379,8 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
         "outages": o.increase("switchyard_dram_outages_total"),
         "degraded_operations": o.increase("switchyard_dram_degraded_operations_total"),
     }
+    store_up = o.gauge("switchyard_task_store_up") if o is not None else None
+    out["task_store_up"] = None if store_up is None else store_up == 1
     return out
 
 
@@ -517,6 +521,14 @@ def _dram_line(dram: dict[str, Any] | None) -> str:
             f"degraded operations {_n(dram['degraded_operations'])}")
 
 
+def _task_store_line(up: bool | None) -> str:
+    """The task store's state: it has a Redis client (or SQLite file) of its own, so the DRAM tier's state does
+    not tell it (top said only "DRAM tier up" while every SubmitTask was answered 503)."""
+    if up is None:
+        return ""
+    return "   task store " + ("up" if up else "DOWN (SubmitTask, GetTaskStatus, CancelTask answer UNAVAILABLE)")
+
+
 def render(snap: dict[str, Any], source: str) -> Any:
     """The snapshot as rich renderables (one group)."""
     from rich.console import Group
@@ -550,6 +562,7 @@ def render(snap: dict[str, Any], source: str) -> Any:
              f"(+{_n(e['kv_oom_in_window'])})\n") +
             f"batch   mean {_n(b['mean_size'], 1)}   P95 {_n(b['p95_size'], 1)}   flushes: {flushes}\n"
             f"tasks in flight {_n(snap['tasks_in_flight'])}" + _dram_line(snap["dram"])
+            + _task_store_line(snap["task_store_up"])
         ))
         work = Table(title="priority classes", title_justify="left")
         for col in ("class", "running", "waiting", "preemptions", "TTFT P50", "TTFT P95", "first tokens"):

@@ -456,3 +456,28 @@ def test_a_grpc_port_given_for_metrics_is_named_not_a_crash(capsys) -> None:
     assert orchestrator["up"] is False and orchestrator["error"] == f"ValueError: {NOT_HTTP1}", orchestrator
     assert said.endswith(f"/debug/pprof/profile?seconds=1: {NOT_HTTP1}\n"), said
     assert "\x00" not in said
+
+
+def test_the_task_store_state_shows_beside_the_dram_tiers() -> None:
+    """The task store has its own Redis client (or SQLite file): with it down every SubmitTask, GetTaskStatus and
+    CancelTask answered 503 while top said "DRAM tier up" and nothing of the store. It shows
+    ``switchyard_task_store_up`` beside the tier."""
+    from rich.console import Console
+
+    def orchestrator(store_up: float) -> Scrape:
+        registry = CollectorRegistry()
+        Gauge("switchyard_agents_concurrent", "", registry=registry).set(3)
+        Gauge("switchyard_dram_up", "", registry=registry).set(1)
+        Gauge("switchyard_task_store_up", "", registry=registry).set(store_up)
+        return Scrape("orchestrator", "u", parse(generate_latest(registry).decode()), at=1.0)
+
+    for store_up, says in ((0.0, "task store DOWN (SubmitTask, GetTaskStatus, CancelTask answer UNAVAILABLE)"),
+                           (1.0, "task store up")):
+        dispatcher = Scrape("dispatcher", "u", parse(_upstream_text(0, {})), at=1.0)
+        snap = snapshot({"orchestrator": orchestrator(store_up), "dispatcher": dispatcher})
+        assert snap["task_store_up"] is (store_up == 1.0) and snap["dram"]["up"]
+        console = Console(width=200, record=True)
+        console.print(render(snap, "flags"))
+        assert f"tasks in flight 3   DRAM tier up, outages -, degraded operations -   {says}" in (
+            console.export_text()), console.export_text()
+    assert snapshot({})["task_store_up"] is None
