@@ -402,7 +402,7 @@ def test_fault_specs():
     assert parse_flag("status=500") == ("*", Fault(status=500))
     with pytest.raises(ValueError, match="unknown key 'bogus'"):
         parse_fault("bogus=1")
-    with pytest.raises(ValueError, match="expected status=<number>"):
+    with pytest.raises(ValueError, match="expected status=<a whole number>"):
         parse_fault("status=abc")
     for spec, expected in (("status=999", "an HTTP error status, 400 to 599"), ("status=200", "400 to 599"),
                            ("cut_after=-1", "a finite number >= 0"), ("slow_ms=nan", "a finite number >= 0")):
@@ -444,7 +444,7 @@ def test_one_parser_owns_the_fault_flags_syntax_and_names_the_flag_and_what_was_
         ("=status=503", "'=status=503': a blank model id; expected [MODEL=]SPEC"),
         ("flaky=", "'flaky=': expected a fault (key=value items of: "),
         ("", "'': expected a fault (key=value items of: "),
-        ("flaky=status=abc", "'flaky=status=abc': fault 'status=abc': expected status=<number>, got 'abc'"),
+        ("flaky=status=abc", "'flaky=status=abc': fault 'status=abc': expected status=<a whole number>, got 'abc'"),
     ):
         with pytest.raises(ValueError) as caught:
             parse_flag(flag, served)
@@ -486,7 +486,7 @@ def test_sim_openai_cli_rejects_bad_flags(monkeypatch, capsys):
 
     with pytest.raises(SystemExit) as caught:
         sim_openai.main(["--fault", "status=abc"])
-    assert caught.value.code == 2 and "expected status=<number>" in capsys.readouterr().err
+    assert caught.value.code == 2 and "expected status=<a whole number>" in capsys.readouterr().err
     # --fault flags that could never act were taken, and the server served every request unharmed
     for argv, says in [
         # a model not served: its requests are answered 404 before any fault; bogus=1 said "unknown key '1'"
@@ -865,8 +865,23 @@ def test_reasoning_is_read_from_either_field_once_and_kept_apart_from_the_answer
 def test_a_fault_takes_a_word_where_it_names_one():
     assert parse_fault("finish=abort,reasoning=2") == Fault(finish="abort", reasoning=2)
     assert parse_fault("stream_type=application/x-ndjson") == Fault(stream_type="application/x-ndjson")
-    with pytest.raises(ValueError, match="finish=<word>"):
+    with pytest.raises(ValueError, match="finish=<a word>"):
         parse_fault("finish")
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ("stream_type=", "fault 'stream_type=': expected stream_type=<a word>, got ''"),
+    ("finish= ", "fault 'finish=': expected finish=<a word>, got ''"),
+    ("cut_after=1.5", "fault 'cut_after=1.5': expected cut_after=<a whole number>, got '1.5'"),
+    ("fail_first", "fault 'fail_first': expected fail_first=<a whole number>"),
+    ("slow_ms=fast", "fault 'slow_ms=fast': expected slow_ms=<a number>, got 'fast'"),
+])
+def test_a_fault_value_of_the_wrong_kind_is_named_with_the_kind_its_key_takes(spec, says):
+    """A word left empty (stream_type=) and a fraction for a count (cut_after=1.5) were both told
+    'expected ...=<number>': a number was what the first could never take and what the second was."""
+    with pytest.raises(ValueError) as caught:
+        parse_fault(spec)
+    assert str(caught.value) == says
 
 
 def test_each_tool_call_of_an_answer_has_an_id_of_its_own():

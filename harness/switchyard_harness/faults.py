@@ -97,12 +97,18 @@ _WITH_STATUS = ("fail_first", "retry_after", "retry_after_ms", "retry_after_date
 """Keys that shape a ``status`` answer, and do nothing without one."""
 
 
+def _expected(key: str) -> str:
+    """What a value of ``key`` is, as an error names it: a word, a whole number (a count or a status) or a
+    number (a delay, a wait). cut_after=1.5 and stream_type= had both read 'expected ...=<number>'."""
+    return "a word" if key in _WORDS else "a whole number" if key in _INTS else "a number"
+
+
 def parse_fault(spec: str) -> Fault:
     """Parse ``"status=503,fail_first=1"``-style specs.
 
     Raises:
-        ValueError: an unknown key, a value that is not a number, a negative or infinite one, or a status outside
-            400-599, naming both; a key that shapes a status answer (:data:`_WITH_STATUS`) without ``status``
+        ValueError: an unknown key, a value not of its key's kind (:func:`_expected`), a negative or infinite
+            one, or a status outside 400-599, naming both; a key that shapes a status answer (:data:`_WITH_STATUS`) without ``status``
             (``said=...`` or ``retry_after=30`` alone injected nothing, and the server started as if it did).
     """
     known = {f.name for f in fields(Fault)}
@@ -118,12 +124,12 @@ def parse_fault(spec: str) -> Fault:
         if key in _WORDS and sep and raw.strip():
             values[key] = raw.strip()
             continue
-        if not sep:
-            raise ValueError(f"fault {item!r}: expected {key}=<{'word' if key in _WORDS else 'number'}>")
+        if not sep or key in _WORDS:  # a word left empty lands here too
+            raise ValueError(f"fault {item!r}: expected {key}=<{_expected(key)}>" + (f", got {raw!r}" if sep else ""))
         try:
             value = values[key] = int(raw) if key in _INTS else float(raw)
         except ValueError:
-            raise ValueError(f"fault {item!r}: expected {key}=<number>, got {raw!r}") from None
+            raise ValueError(f"fault {item!r}: expected {key}=<{_expected(key)}>, got {raw!r}") from None
         # status=999 closed the connection with no answer (the HTTP server knows no such status line), status=200
         # answered an error body as a success, and a negative count or delay was taken as none at all
         if key in _STATUSES and not 400 <= value <= 599:
