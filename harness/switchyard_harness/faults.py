@@ -108,8 +108,9 @@ def parse_fault(spec: str) -> Fault:
 
     Raises:
         ValueError: an unknown key, a value not of its key's kind (:func:`_expected`), a negative or infinite
-            one, or a status outside 400-599, naming both; a key that shapes a status answer (:data:`_WITH_STATUS`) without ``status``
-            (``said=...`` or ``retry_after=30`` alone injected nothing, and the server started as if it did).
+            one, or a status outside 400-599, naming both; a key that shapes a status answer
+            (:data:`_WITH_STATUS`) without ``status`` (``said=...`` or ``retry_after=30`` alone injected
+            nothing, and the server started as if it did).
     """
     known = {f.name for f in fields(Fault)}
     values: dict[str, object] = {}
