@@ -104,8 +104,9 @@ class TaskRefusedEarly(SwitchyardError):
         source = f" ({deadline_source})" if deadline_source else ""
         super().__init__(
             f"task {untrusted.shown(task_id)} refused early before model step {model_steps_done}: "
-            f"{time_left_s:.3f} s left before its deadline{source}, {expected_work_s:.3f} s of work expected (the measured mean times of the steps "
-            f"it has left), short by more than orchestrator.program.refuse_early_margin_s = {margin_s:g} s")
+            f"{time_left_s:.3f} s left before its deadline{source}, {expected_work_s:.3f} s of work expected "
+            f"(the measured mean times of the steps it has left), short by more than "
+            f"orchestrator.program.refuse_early_margin_s = {margin_s:g} s")
         self.task_id = task_id
 
 

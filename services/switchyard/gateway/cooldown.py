@@ -400,8 +400,8 @@ class Cooldowns:
         if asked is None or asked <= 0 or isinstance(exc, UpstreamAskedToWait):
             return
         # Held locally for at most cooldown.cooldown_s, the longest a model is skipped for its failures: then calls
-        # reach the server again, the first answer asking for a wait renewing the hold. A Retry-After of 1e20 s, or an HTTP date
-        # years ahead, had locked the model out for as long, past any restart of the server that sent it.
+        # reach the server again, the first answer asking for a wait renewing the hold. A Retry-After of 1e20 s, or
+        # an HTTP date years ahead, had locked the model out for as long, past any restart of the server that sent it.
         held = min(asked, self.config.cooldown.cooldown_s)
         if now + held <= circuit.not_before:
             return
